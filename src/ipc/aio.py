@@ -1,0 +1,133 @@
+"""anyio frame channels: over any byte stream (unix sockets) or pipe fds."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from typing import Generic, TypeVar
+
+import anyio
+import msgspec
+from anyio.abc import ByteStream
+
+from ipc.framing import ChannelClosed, Codec, FrameSplitter
+from ipc.messages import PROTOCOL_VERSION, Hello, Role
+
+T = TypeVar("T")
+
+_READ_CHUNK = 1 << 16
+
+
+class FdStream(ByteStream):
+    """A ByteStream over a read fd and a write fd (made non-blocking).
+
+    The supervisor uses it for the pipe pair of each runner; it waits on the
+    event loop's readiness notification, never polls.
+    """
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.read_fd = read_fd
+        self.write_fd = write_fd
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._closed = False
+
+    async def receive(self, max_bytes: int = _READ_CHUNK) -> bytes:
+        while True:
+            if self._closed:
+                raise anyio.ClosedResourceError
+            try:
+                data = os.read(self.read_fd, max_bytes)
+            except BlockingIOError:
+                await anyio.wait_readable(self.read_fd)
+                continue
+            if not data:
+                raise anyio.EndOfStream
+            return data
+
+    async def send(self, item: bytes) -> None:
+        view = memoryview(item)
+        while view:
+            if self._closed:
+                raise anyio.ClosedResourceError
+            try:
+                written = os.write(self.write_fd, view)
+            except BlockingIOError:
+                await anyio.wait_writable(self.write_fd)
+                continue
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise anyio.BrokenResourceError from exc
+            view = view[written:]
+
+    async def send_eof(self) -> None:
+        self._close_fd(self.write_fd)
+
+    def _close_fd(self, fd: int) -> None:
+        anyio.notify_closing(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_fd(self.read_fd)
+        self._close_fd(self.write_fd)
+
+
+class AsyncChannel(Generic[T]):
+    """Sends any message and receives ``T`` frames over an anyio ByteStream.
+
+    Args:
+        stream: the transport (a unix socket stream or an :class:`FdStream`).
+        codec: the codec for this direction.
+    """
+
+    def __init__(self, stream: ByteStream, codec: Codec[T]) -> None:
+        self.stream = stream
+        self.codec = codec
+        self._splitter = FrameSplitter(codec.max_frame_bytes)
+        self._bodies: deque[bytes] = deque()
+        self._send_lock = anyio.Lock()
+
+    async def send(self, message: msgspec.Struct) -> None:
+        """Write one frame.
+
+        Raises:
+            ChannelClosed: the peer has gone away.
+        """
+        frame = self.codec.frame(message)
+        async with self._send_lock:
+            try:
+                await self.stream.send(frame)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise ChannelClosed(f"peer gone: {exc!r}") from exc
+
+    async def _next_body(self) -> bytes:
+        while not self._bodies:
+            try:
+                chunk = await self.stream.receive(_READ_CHUNK)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                self._splitter.check_clean_eof()
+                raise ChannelClosed("peer closed the connection") from None
+            self._bodies.extend(self._splitter.feed(chunk))
+        return self._bodies.popleft()
+
+    async def recv(self) -> T:
+        """Wait for the next message.
+
+        Raises:
+            ChannelClosed: clean end of stream.
+            ProtocolError: malformed, oversized, truncated or wrong-typed frame.
+        """
+        return self.codec.decode(await self._next_body())
+
+    async def handshake(self, role: Role, expect_role: Role, software_version: str = "") -> Hello:
+        """Send our Hello, read and check the peer's. Returns the peer's Hello."""
+        await self.send(Hello(PROTOCOL_VERSION, os.getpid(), role, software_version))
+        return self.codec.decode_hello(await self._next_body(), expect_role)
+
+    async def aclose(self) -> None:
+        """Close the transport (idempotent)."""
+        await self.stream.aclose()

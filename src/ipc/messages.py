@@ -1,0 +1,305 @@
+"""The whole wire protocol of mlx-supervisor, in one place.
+
+Every connection (client <-> supervisor over the unix socket) and every pipe
+pair (supervisor <-> runner) starts with a :class:`Hello` each way, then
+carries frames of exactly one tagged union per direction:
+
+- :data:`ClientMessage`: client -> supervisor
+- :data:`ServerMessage`: supervisor -> client
+- :data:`RunnerCommand`: supervisor -> runner
+- :data:`RunnerEvent`: runner -> supervisor
+
+Some structs travel in two unions (a runner's :class:`TextChunk` is forwarded
+to the client as it is). Memory figures are bytes; times are seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to a struct below."""
+
+Role = Literal["client", "supervisor", "runner"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+RunnerState = Literal[
+    "starting", "loading", "ready", "busy", "stopping", "crashed", "restarting", "failed"
+]
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """First frame on every connection and pipe, each way."""
+
+    protocol_version: int
+    pid: int
+    role: Role
+    software_version: str = ""
+
+
+# --- shared pieces -----------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct):
+    """One turn of a chat, rendered with the model's chat template."""
+
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to generate; the runner clamps max_tokens to its model's cap."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class LoadProgress(msgspec.Struct, tag="load_progress"):
+    """Runner -> supervisor -> client while a model loads.
+
+    ``phase`` is ``resolve`` (finding/creating the files), ``weights`` (one
+    step per transformer layer evaluated) or ``warmup``.
+    """
+
+    name: str
+    phase: str
+    done: int
+    total: int
+    active_bytes: int
+
+
+class TextChunk(msgspec.Struct, tag="chunk"):
+    """A piece of generated text; ``generation_tokens`` counts tokens so far."""
+
+    request_id: int
+    text: str
+    generation_tokens: int
+
+
+class GenerationDone(msgspec.Struct, tag="done"):
+    """The last frame of a successful (or cancelled) generation."""
+
+    request_id: int
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    ttft_s: float
+    peak_memory_bytes: int
+    finish_reason: FinishReason
+
+
+# --- client -> supervisor ----------------------------------------------------
+
+
+class LoadRequest(msgspec.Struct, tag="load"):
+    """Start a runner for ``model`` (repo id, local path or ``builtin:NAME``).
+
+    ``env`` is added to the runner's environment (fault injection in tests,
+    MLX knobs for long contexts). ``max_tokens`` caps every request.
+    """
+
+    model: str
+    name: str | None = None
+    max_tokens: int | None = None
+    env: dict[str, str] = {}
+
+
+class UnloadRequest(msgspec.Struct, tag="unload"):
+    name: str
+
+
+class StatusRequest(msgspec.Struct, tag="status"):
+    pass
+
+
+class GenerateRequest(msgspec.Struct, tag="generate"):
+    """Exactly one of ``prompt`` and ``messages`` is set."""
+
+    name: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: SamplingParams = SamplingParams()
+
+
+class CancelRequest(msgspec.Struct, tag="cancel"):
+    """Sent on the connection of a running generate to stop it early."""
+
+
+class ShutdownRequest(msgspec.Struct, tag="shutdown"):
+    """Stop every runner (escalating) and exit the daemon."""
+
+
+ClientMessage = (
+    LoadRequest | UnloadRequest | StatusRequest | GenerateRequest | CancelRequest | ShutdownRequest
+)
+
+# --- supervisor -> client ----------------------------------------------------
+
+
+class ExitInfo(msgspec.Struct):
+    """How a runner process ended. ``signal`` is a name such as ``SIGKILL``."""
+
+    code: int | None
+    signal: str | None
+    cause: str
+
+
+class Loaded(msgspec.Struct, tag="loaded"):
+    name: str
+    model: str
+    pid: int
+    param_bytes: int
+    active_bytes: int
+    peak_bytes: int
+    load_s: float
+
+
+class Unloaded(msgspec.Struct, tag="unloaded"):
+    """``steps`` lists the escalation steps taken, e.g. ``["shutdown"]``."""
+
+    name: str
+    pid: int
+    steps: list[str]
+    elapsed_s: float
+    exit: ExitInfo
+
+
+class SupervisorInfo(msgspec.Struct):
+    pid: int
+    version: str
+    uptime_s: float
+    socket: str
+
+
+class SystemInfo(msgspec.Struct):
+    memory_total_bytes: int
+    memory_available_bytes: int
+
+
+class RunnerInfo(msgspec.Struct):
+    name: str
+    model: str
+    pid: int | None
+    state: RunnerState
+    rss_bytes: int | None
+    started_at: float | None
+    restarts: int
+    last_exit: ExitInfo | None
+    param_bytes: int | None = None
+    queued: int = 0
+
+
+class StatusReply(msgspec.Struct, tag="status_reply"):
+    supervisor: SupervisorInfo
+    system: SystemInfo
+    runners: list[RunnerInfo]
+
+
+class ShutdownAck(msgspec.Struct, tag="shutdown_ack"):
+    runners: int
+
+
+ErrorCode = Literal[
+    "bad_request",
+    "unknown_model",
+    "already_loaded",
+    "load_failed",
+    "runner_died",
+    "not_ready",
+    "generation_failed",
+    "shutting_down",
+    "protocol",
+]
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    """A request failed; ``message`` is one line meant for people."""
+
+    code: ErrorCode
+    message: str
+
+
+ServerMessage = (
+    LoadProgress
+    | Loaded
+    | TextChunk
+    | GenerationDone
+    | Unloaded
+    | StatusReply
+    | ShutdownAck
+    | ErrorReply
+)
+
+# --- supervisor -> runner ----------------------------------------------------
+
+
+class LoadModel(msgspec.Struct, tag="load_model"):
+    name: str
+    model: str
+    max_tokens_cap: int | None = None
+
+
+class Generate(msgspec.Struct, tag="generate"):
+    request_id: int
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: SamplingParams = SamplingParams()
+
+
+class Cancel(msgspec.Struct, tag="cancel"):
+    request_id: int
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    seq: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    reason: str = "unload"
+
+
+RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown
+
+# --- runner -> supervisor ----------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """The model is loaded and evaluated; the runner takes requests."""
+
+    model_path: str
+    param_bytes: int
+    active_bytes: int
+    peak_bytes: int
+    load_s: float
+
+
+class LoadFailed(msgspec.Struct, tag="load_failed"):
+    error: str
+
+
+class GenerationFailed(msgspec.Struct, tag="generation_failed"):
+    request_id: int
+    error: str
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    seq: int
+    active_bytes: int
+
+
+class ExitAudit(msgspec.Struct, tag="exit_audit"):
+    """Last words of a runner that exits on purpose."""
+
+    cause: str
+    active_bytes: int
+    peak_bytes: int
+
+
+RunnerEvent = (
+    LoadProgress | Ready | LoadFailed | TextChunk | GenerationDone | GenerationFailed | Pong
+    | ExitAudit
+)

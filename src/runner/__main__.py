@@ -1,0 +1,3 @@
+from runner.main import main
+
+main()

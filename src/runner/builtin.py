@@ -1,0 +1,701 @@
+"""Offline "builtin" models: random-weight llama models with a real byte-level BPE tokenizer.
+
+``builtin:tiny`` and ``builtin:small`` are written on first use as ordinary Hugging Face-style
+model directories (``config.json``, ``model.safetensors``, ``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``) so that ``mlx_lm.load(path)`` loads them
+through its normal path: strict weight loading, ``AutoTokenizer`` from the local directory, no
+network. Everything is deterministic: the tokenizer is trained on a corpus embedded in this
+module and the weights come from a fixed-seed numpy generator, so every machine with the same
+library versions produces byte-identical files.
+
+A directory is built in a temporary directory beside its target and renamed into place, so a
+directory under its final name is always complete; concurrent creators (threads or processes)
+are serialised with a lock file and, should that be unavailable, the loser of the rename race
+discards its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BUILTIN_NAMES",
+    "BUILTIN_PREFIX",
+    "builtin_cache_dir",
+    "ensure_builtin_model",
+    "is_builtin",
+    "param_count",
+]
+
+BUILTIN_PREFIX = "builtin:"
+
+# Bump when anything that changes the written files changes (corpus, tokenizer settings,
+# initialisation, config). The version is part of the directory name, so a new recipe gets a
+# new directory and old caches are simply left behind.
+RECIPE_VERSION = 1
+
+# Marker file written last into the build directory; it records the recipe and the size of every
+# other file, and is checked on every ensure_builtin_model() call (cheap: stat only).
+MANIFEST_NAME = "builtin_recipe.json"
+
+# Temporary build directories older than this are leftovers of a crashed creator.
+_STALE_TMP_SECONDS = 3600.0
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOT_TOKEN = "<|end_of_text|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+# Order fixes their ids: 0..4, before the 256 byte symbols and the merges.
+SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
+BOS_TOKEN_ID = 0
+EOS_TOKEN_ID = 3  # <|im_end|>: the end of a chat turn is what generation stops on.
+EOT_TOKEN_ID = 1
+PAD_TOKEN_ID = 4
+
+TOKENIZER_VOCAB_SIZE = 2048  # target; the real size is read back from the trained tokenizer
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}"
+    "{%- set content = message['content'] %}"
+    "{%- else %}"
+    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Architecture and initialisation of one builtin model."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    # float32 for tiny: it is ~1 MB either way and float32 keeps CPU matmuls free of half
+    # precision conversions and rounding; small uses float16 like a real checkpoint, which
+    # halves its size (~280 MB instead of ~560 MB) and the bandwidth a decode step needs.
+    dtype: str
+    seed: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def dir_name(self) -> str:
+        return f"{self.name}-v{RECIPE_VERSION}"
+
+
+_SPECS: dict[str, _Spec] = {
+    "tiny": _Spec(
+        name="tiny",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        max_position_embeddings=4096,
+        dtype="float32",
+        seed=0x7E1E,
+    ),
+    "small": _Spec(
+        name="small",
+        hidden_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        max_position_embeddings=8192,
+        dtype="float16",
+        seed=0x5A11,
+    ),
+}
+
+BUILTIN_NAMES: tuple[str, ...] = tuple(_SPECS)
+
+# Standard deviation of the hidden-layer weights (GPT-2 style).
+_INIT_STD = 0.02
+# Target standard deviation of the output logits. The final RMSNorm makes the hidden state's RMS
+# exactly 1, so a logit is a sum of hidden_size terms and lm_head rows get
+# std = _LOGIT_STD / sqrt(hidden_size). See _lm_head() for why it is this large.
+_LOGIT_STD = 3.0
+
+
+# --------------------------------------------------------------------------------------------
+# Public interface
+# --------------------------------------------------------------------------------------------
+
+
+def is_builtin(model: str) -> bool:
+    """True if ``model`` names a builtin model (``builtin:<name>``), known or not."""
+    return model.startswith(BUILTIN_PREFIX)
+
+
+def builtin_cache_dir() -> Path:
+    """Directory holding the builtin models.
+
+    ``$XDG_CACHE_HOME/mlx-supervisor/builtin`` when XDG_CACHE_HOME is set, otherwise
+    ``~/Library/Caches/mlx-supervisor/builtin`` on macOS and ``~/.cache/mlx-supervisor/builtin``
+    elsewhere.
+    """
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        base = Path(xdg)
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path.home() / ".cache"
+    return base / "mlx-supervisor" / "builtin"
+
+
+def ensure_builtin_model(model: str, cache_dir: Path | None = None) -> Path:
+    """Return the directory of builtin ``model``, creating it on first use.
+
+    ``model`` is ``"builtin:tiny"`` / ``"builtin:small"`` or a bare ``"tiny"`` / ``"small"``.
+    Raises ValueError naming the known builtins for an unknown name. Safe to call from several
+    processes at once: all of them get the same complete directory.
+    """
+    spec = _resolve(model)
+    root = Path(cache_dir) if cache_dir is not None else builtin_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / spec.dir_name
+    if _is_complete(target, spec):
+        return target
+    with _creation_lock(root / f".{spec.dir_name}.lock"):
+        if _is_complete(target, spec):  # another process finished while we waited
+            return target
+        _remove_stale_tmp_dirs(root, spec)
+        if target.exists():
+            # Not produced by us (we only ever rename complete builds into place) or damaged
+            # later, e.g. a file deleted by hand: move it out of the way and build afresh.
+            _discard(target, root, spec)
+        _build(spec, root, target)
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# Creation
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve(model: str) -> _Spec:
+    name = model[len(BUILTIN_PREFIX) :] if is_builtin(model) else model
+    spec = _SPECS.get(name)
+    if spec is None:
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)
+        raise ValueError(f"unknown builtin model {model!r}; known builtin models: {known}")
+    return spec
+
+
+@contextlib.contextmanager
+def _creation_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock serialising creators (so a big model is built only once).
+
+    Correctness does not depend on it: builds are atomic renames of private temp dirs.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX; fall back to the rename race
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # e.g. a network filesystem without locks: rely on the rename race
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _tmp_prefix(spec: _Spec) -> str:
+    return f".{spec.dir_name}.tmp-"
+
+
+def _remove_stale_tmp_dirs(root: Path, spec: _Spec) -> None:
+    now = time.time()
+    for entry in root.glob(_tmp_prefix(spec) + "*"):
+        with contextlib.suppress(OSError):
+            if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _discard(path: Path, root: Path, spec: _Spec) -> None:
+    aside = Path(tempfile.mkdtemp(prefix=_tmp_prefix(spec), dir=root))
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, aside / "old")
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _build(spec: _Spec, root: Path, target: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(spec), dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the finished model should be readable by all
+        _write_model(spec, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target, spec):
+                raise
+            # Lost the race to a creator that did not take the lock: keep theirs.
+            return
+        _fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_model(spec: _Spec, out: Path) -> None:
+    tokenizer_json = _tokenizer_json()
+    vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
+    _write_text(out / "tokenizer.json", tokenizer_json)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out / "special_tokens_map.json", _special_tokens_map())
+    _write_json(out / "config.json", _model_config(spec, vocab_size))
+    _write_json(out / "generation_config.json", _generation_config())
+    _write_weights(spec, vocab_size, out / "model.safetensors")
+    sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+    _write_json(out / MANIFEST_NAME, _manifest(spec, sizes))
+
+
+def _manifest(spec: _Spec, sizes: dict[str, int]) -> dict[str, Any]:
+    return {
+        "builtin": BUILTIN_PREFIX + spec.name,
+        "recipe_version": RECIPE_VERSION,
+        "files": sizes,
+    }
+
+
+def _is_complete(path: Path, spec: _Spec) -> bool:
+    """True if ``path`` is a finished build of ``spec`` with every file at its recorded size."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
+        if manifest.get("builtin") != BUILTIN_PREFIX + spec.name:
+            return False
+        if manifest.get("recipe_version") != RECIPE_VERSION:
+            return False
+        files = manifest["files"]
+        if not isinstance(files, dict) or "model.safetensors" not in files:
+            return False
+        return all((path / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform/filesystem allows it
+        _fsync_file(path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+
+
+def _model_config(spec: _Spec, vocab_size: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        # Untied so that the special tokens keep ordinary (random) input embeddings while their
+        # output rows are zeroed; costs vocab_size * hidden_size parameters (a few MB for small).
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": [EOS_TOKEN_ID, EOT_TOKEN_ID],
+        "pad_token_id": PAD_TOKEN_ID,
+        "torch_dtype": spec.dtype,
+        "initializer_range": _INIT_STD,
+        "mlx_supervisor_builtin": {"name": spec.name, "recipe_version": RECIPE_VERSION},
+    }
+
+
+def _generation_config() -> dict[str, Any]:
+    return {
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": [EOS_TOKEN_ID, EOT_TOKEN_ID],
+        "pad_token_id": PAD_TOKEN_ID,
+    }
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": IM_END_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max(s.max_position_embeddings for s in _SPECS.values()),
+        "chat_template": CHAT_TEMPLATE,
+        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN, EOT_TOKEN],
+    }
+
+
+def _special_tokens_map() -> dict[str, Any]:
+    return {
+        "bos_token": BOS_TOKEN,
+        "eos_token": IM_END_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN, EOT_TOKEN],
+    }
+
+
+_TOKENIZER_JSON_CACHE: dict[int, str] = {}
+
+
+def _tokenizer_json() -> str:
+    """Train the byte-level BPE tokenizer and return its serialised tokenizer.json.
+
+    The result is a pure function of the embedded corpus and the trainer settings: the trainer
+    breaks ties between equally frequent pairs by pair id, and ids are assigned in merge order,
+    so thread count and hash seeds do not matter (tests check byte identity across processes).
+    """
+    cached = _TOKENIZER_JSON_CACHE.get(RECIPE_VERSION)
+    if cached is not None:
+        return cached
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 byte symbols, so any UTF-8 text encodes (no unknown tokens) and round-trips.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    text: str = tokenizer.to_str(pretty=False)
+    _TOKENIZER_JSON_CACHE[RECIPE_VERSION] = text
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_shapes(spec: _Spec, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of mlx_lm.models.llama.Model for ``spec``, in a fixed order."""
+    d, hd = spec.hidden_size, spec.head_dim
+    q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab_size, d))]
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (d,)),
+            (p + "self_attn.q_proj.weight", (q_out, d)),
+            (p + "self_attn.k_proj.weight", (kv_out, d)),
+            (p + "self_attn.v_proj.weight", (kv_out, d)),
+            (p + "self_attn.o_proj.weight", (d, q_out)),
+            (p + "post_attention_layernorm.weight", (d,)),
+            (p + "mlp.gate_proj.weight", (spec.intermediate_size, d)),
+            (p + "mlp.up_proj.weight", (spec.intermediate_size, d)),
+            (p + "mlp.down_proj.weight", (d, spec.intermediate_size)),
+        ]
+    shapes += [("model.norm.weight", (d,)), ("lm_head.weight", (vocab_size, d))]
+    return shapes
+
+
+def param_count(model: str, vocab_size: int | None = None) -> int:
+    """Number of parameters of builtin ``model`` (computed from its recipe, no files written)."""
+    spec = _resolve(model)
+    if vocab_size is None:
+        vocab_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
+    total = 0
+    for _, shape in _weight_shapes(spec, vocab_size):
+        n = 1
+        for dim in shape:
+            n *= dim
+        total += n
+    return total
+
+
+def _write_weights(spec: _Spec, vocab_size: int, path: Path) -> None:
+    """Write the random weights as a safetensors file, streaming one tensor at a time.
+
+    Written with numpy rather than mx.save_safetensors: no mlx import or copy is needed, tensors
+    are generated in parallel threads (numpy's generators and casts release the GIL) and never
+    all held at once, and the bytes are fixed by the format alone. Loaded by mx.load like any
+    other checkpoint.
+    """
+    import numpy as np
+
+    np_dtype = np.dtype("<f2") if spec.dtype == "float16" else np.dtype("<f4")
+    st_dtype = "F16" if spec.dtype == "float16" else "F32"
+    shapes = _weight_shapes(spec, vocab_size)
+    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name, shape in shapes:
+        nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        header[name] = {
+            "dtype": st_dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
+
+    def make(item: tuple[str, tuple[int, ...]]) -> bytes:
+        name, shape = item
+        data: bytes = _init_tensor(spec, name, shape).astype(np_dtype).tobytes()
+        return data
+
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=workers) as pool:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        pending: deque[Future[bytes]] = deque()
+        for item in shapes:
+            pending.append(pool.submit(make, item))
+            if len(pending) > 2 * workers:  # bound the memory held by finished tensors
+                f.write(pending.popleft().result())
+        while pending:
+            f.write(pending.popleft().result())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _init_tensor(spec: _Spec, name: str, shape: tuple[int, ...]) -> Any:
+    """Initial float32 values of one parameter (a pure function of spec.seed and name)."""
+    import numpy as np
+
+    if name.endswith("norm.weight"):
+        return np.ones(shape, dtype=np.float32)
+    rng = _rng(spec, name)
+    if name == "lm_head.weight":
+        return _lm_head(rng, shape)
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(_INIT_STD)
+    return values
+
+
+def _lm_head(rng: Any, shape: tuple[int, ...]) -> Any:
+    """Output projection with the special tokens' rows zeroed.
+
+    A zero row gives that token a logit of exactly 0 whatever the hidden state. The other
+    vocab_size - 5 logits are ~N(0, _LOGIT_STD^2), so under greedy decoding a special token
+    (EOS included) can only win if every one of the ~2000 others is negative: never in practice.
+    Under temperature-1 sampling its probability is about 1 / (vocab_size * exp(_LOGIT_STD^2/2))
+    ~= 5e-6 per step, so a random model practically always decodes to max_tokens, which is what
+    benchmarks want; it also keeps role/control tokens out of generated text.
+    """
+    import numpy as np
+
+    hidden = shape[1]
+    std = _LOGIT_STD / float(np.sqrt(hidden))
+    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    values[: len(SPECIAL_TOKENS)] = 0.0
+    return values
+
+
+def _rng(spec: _Spec, tensor_name: str) -> Any:
+    """A generator seeded from (spec.seed, tensor_name): a tensor's values depend on nothing else,
+    in particular not on the order in which tensors are generated (they are made in parallel)."""
+    import numpy as np
+
+    digest = hashlib.sha256(f"{spec.seed}:{tensor_name}".encode()).digest()
+    return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer training corpus
+# --------------------------------------------------------------------------------------------
+
+
+def _corpus_lines() -> list[str]:
+    """The tokenizer training corpus: embedded text plus a few generated, deterministic lines."""
+    lines = [line for line in _CORPUS.splitlines() if line.strip()]
+    lines += [" ".join(str(i) for i in range(start, start + 32)) for start in range(0, 1024, 32)]
+    lines += [f"{i:#06x} {i:08b} {i * 37 % 1000:03d}" for i in range(0, 256, 3)]
+    return lines
+
+
+_CORPUS = '''\
+The supervisor starts one runner process for every model it serves. Each runner loads its model,
+answers requests over a small message protocol, and exits when it is told to stop. When a runner
+crashes, the supervisor notices that the process has died, records the reason, and starts a new
+one after a short delay. The delay grows with every failure, so a model that cannot be loaded does
+not keep the machine busy forever. Memory is given back to the operating system by ending the
+process: nothing the runner allocated can survive its death.
+
+A language model reads a sequence of tokens and predicts the next one. The tokenizer turns text
+into tokens and tokens back into text. A byte-level tokenizer starts from the two hundred and
+fifty-six possible bytes and learns to merge frequent pairs into longer pieces, so that common
+words become single tokens while rare words, names, numbers and symbols are spelled out from
+smaller parts. Because every byte has a token, any text at all can be encoded and decoded again
+without loss: accents, emoji, tabs, new lines and other scripts included.
+
+Once upon a time there was a small computer that lived on a desk near a window. Every morning the
+sun came in, and every evening the lamp was switched on. The computer liked to count things: the
+birds on the roof, the cars in the street, the pages of the books on the shelf. One day it counted
+the words in all the books and found that the most common word was "the", followed by "of",
+"and", "to", "a" and "in". It wrote the numbers down in a table and was very pleased with itself.
+
+Questions and answers. What is the capital of France? Paris is the capital of France. How many
+days are there in a week? There are seven days in a week. Why is the sky blue? Sunlight is
+scattered by the air, and blue light is scattered more than red light. Which is larger, the moon
+or the earth? The earth is larger. Can you help me write a letter? Of course, I would be happy to
+help. Please tell me who the letter is for and what you would like to say.
+
+User: hello, who are you?
+Assistant: Hello! I am a small test model. My weights are random, so my answers will not make
+sense, but I can be loaded, started, stopped and measured like any other model.
+User: Thank you. Please count from one to ten.
+Assistant: One, two, three, four, five, six, seven, eight, nine, ten.
+
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. January, February, March,
+April, May, June, July, August, September, October, November and December. Spring, summer,
+autumn and winter. North, south, east and west. Red, orange, yellow, green, blue, indigo and
+violet. Zero, one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, twenty,
+thirty, forty, fifty, hundred, thousand, million, billion.
+
+def fibonacci(n: int) -> list[int]:
+    """Return the first n Fibonacci numbers."""
+    result: list[int] = []
+    a, b = 0, 1
+    for _ in range(n):
+        result.append(a)
+        a, b = b, a + b
+    return result
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, word: str) -> None:
+        self.counts[word] = self.counts.get(word, 0) + 1
+
+    def most_common(self, k: int = 10) -> list[tuple[str, int]]:
+        return sorted(self.counts.items(), key=lambda item: -item[1])[:k]
+
+
+if __name__ == "__main__":
+    import sys
+    for line in sys.stdin:
+        print(line.strip().lower())
+
+async def handle(request, response):
+    try:
+        payload = await request.json()
+    except ValueError as error:
+        return response.error(400, str(error))
+    finally:
+        await request.close()
+    return response.ok({"id": payload["id"], "status": "done"})
+
+{"model": "builtin:tiny", "max_tokens": 128, "temperature": 0.0, "stream": true}
+{"id": 42, "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "length"}]}
+{"error": {"type": "timeout", "message": "the runner did not answer in time", "code": 504}}
+
+$ python -m pytest tests -q --timeout 120
+$ git status && git diff --stat && git log --oneline -n 5
+$ ls -la /tmp && cat /proc/meminfo | grep MemAvailable
+SELECT name, COUNT(*) AS total FROM requests WHERE status = 'ok' GROUP BY name ORDER BY total DESC;
+for (int i = 0; i < n; ++i) { sum += values[i] * weights[i]; }
+fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); println!("{:?}", v); }
+
+Error: connection refused. Warning: memory usage is above the soft limit. Info: model loaded in
+1.25 seconds. Debug: prompt has 512 tokens, generated 256 tokens at 48.7 tokens per second.
+Restarting runner after exit code -9 (killed). Unloading the least recently used model.
+
+Le petit chat dort sur le canapé près de la fenêtre. Où est la gare, s'il vous plaît ?
+Merci beaucoup.
+Der schnelle braune Fuchs springt über den faulen Hund. Größe, Straße, Übung, schön, Mädchen.
+El niño come una manzana en el jardín. ¿Dónde está la biblioteca? ¡Qué día tan bonito!
+O menino está a ler um livro na praça. Ação, coração, não, irmã, amanhã.
+Il gatto nero dorme sotto il tavolo. Perché no? Città, università, caffè.
+Καλημέρα, τι κάνεις; Η θάλασσα είναι γαλάζια.
+Привет, как дела? Сегодня хорошая погода, и мы идём гулять в парк.
+こんにちは、世界。今日はいい天気ですね。猫が好きです。
+你好，世界。今天天气很好，我们去公园散步吧。
+안녕하세요. 만나서 반갑습니다.
+مرحبا بالعالم. كيف حالك؟
+नमस्ते दुनिया। आप कैसे हैं?
+Emoji: 🙂 😀 🎉 🚀 ✅ ❌ ⚠️ 🔥 ❤️ 👍 — dashes – and “quotes” ‘single’ … ellipsis,
+€100, £5, ¥300, 25°C, ±0.5, ×, ÷, ≤, ≥, ≠, ∞, π, λ, μ, σ, Σ, √2.
+
+Units and numbers: 3.14159, 2.71828, 1.41421, 0.5, 0.25, 0.125, 1e-5, 6.02e23, 100%, 50 MB, 256 GB,
+8 GiB, 16 cores, 4096 tokens, 2048 tokens, 1024 bytes, 12:30, 2024-01-31, 23:59:59, v1.2.3.
+
+A recipe for bread. Mix five hundred grams of flour with ten grams of salt and seven grams of
+yeast. Add three hundred and fifty millilitres of warm water and knead the dough for ten minutes
+until it is smooth. Let it rise for an hour, shape it into a loaf, let it rise again, and bake it
+in a hot oven for about forty minutes. The bread is done when it sounds hollow when you tap it.
+
+The river runs from the mountains to the sea. In the spring it is full of melted snow and runs
+fast and cold; in the late summer it is slow and warm, and children swim in it. Along its banks
+there are willows, reeds, herons and, if you are lucky and quiet, a kingfisher. People have lived
+beside the river for thousands of years, fishing, farming, trading, and building bridges.
+
+Testing is the art of asking a program questions whose answers you already know. A good test is
+small, fast and deterministic: it gives the same result every time it runs, on every machine.
+A flaky test is worse than no test, because it teaches people to ignore failures. When a test
+fails, it should say clearly what was expected and what happened instead.
+'''  # noqa: RUF001 (deliberately multilingual text)

@@ -1,0 +1,66 @@
+"""Fault injection for tests and the soak: make a runner misbehave on purpose.
+
+Test tooling, off by default. Set ``MLX_SUPERVISOR_FAULTS`` in the runner's
+environment (a load request's ``env`` or a model's config) to a
+comma-separated list of ``NAME`` or ``NAME=ARG``:
+
+- ``ignore_shutdown``: read a Shutdown message and carry on as if not.
+- ``ignore_sigterm``: SIGTERM is ignored (the supervisor must SIGKILL).
+- ``fail_load=MESSAGE``: raise an exception while loading.
+- ``crash_at_load=SIGNAL``: kill ourselves with SIGNAL before the weights.
+- ``crash_at_token=N:SIGNAL``: kill ourselves with SIGNAL at token N.
+- ``exit_in_handshake``: exit(1) before sending our Hello.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULTS_ENV = "MLX_SUPERVISOR_FAULTS"
+
+
+class InjectedFault(Exception):
+    """Raised by ``fail_load``: a load failure on purpose."""
+
+
+class Faults:
+    """The faults this runner was asked to inject, parsed once at start."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._items: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, _, arg = item.partition("=")
+            self._items[key] = arg
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        return cls(os.environ.get(FAULTS_ENV, ""))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def arg(self, name: str) -> str:
+        return self._items.get(name, "")
+
+    def at_load(self) -> None:
+        """Apply the load-time faults (called before weights are read)."""
+        if "crash_at_load" in self:
+            kill_self(self.arg("crash_at_load") or "SIGKILL")
+        if "fail_load" in self:
+            raise InjectedFault(self.arg("fail_load") or "injected load failure")
+
+    def at_token(self, n: int) -> None:
+        """Apply the per-token faults; ``n`` counts generated tokens from 1."""
+        if "crash_at_token" in self:
+            at, _, sig = self.arg("crash_at_token").partition(":")
+            if n == int(at):
+                kill_self(sig or "SIGKILL")
+
+
+def kill_self(signal_name: str) -> None:
+    """Deliver ``signal_name`` to this process, with no handler in the way."""
+    signum = signal.Signals[signal_name]
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

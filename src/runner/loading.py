@@ -1,0 +1,98 @@
+"""Model loading through mlx-lm, with progress per transformer layer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten
+
+from runner.builtin import ensure_builtin_model, is_builtin
+
+# What mlx-lm itself fetches for a model from the Hugging Face Hub.
+HUB_ALLOW_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+
+ProgressCallback = Callable[[str, int, int], None]
+"""Called as ``progress(phase, done, total)``."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    path: Path
+    param_bytes: int
+    load_s: float
+
+
+def resolve_model_path(model: str) -> Path:
+    """Turn a model reference into a local directory.
+
+    ``builtin:NAME`` is made offline on first use; an existing path is used
+    as it is; anything else is a Hugging Face repo id, resolved through the
+    hub's cache (and downloaded when the machine is online).
+
+    Raises:
+        FileNotFoundError: a path-looking reference that does not exist.
+        ValueError: an unknown builtin name.
+    """
+    if is_builtin(model):
+        return ensure_builtin_model(model)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"{model} is a file; a model is a directory")
+        return path
+    if model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"no model directory at {model}")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=HUB_ALLOW_PATTERNS))
+
+
+def parameter_bytes(model: Any) -> int:
+    """Bytes held by the model's parameters."""
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sum(int(array.nbytes) for _, array in leaves)
+
+
+def load_model(model: str, progress: ProgressCallback) -> LoadedModel:
+    """Load ``model`` lazily with mlx-lm, then evaluate it layer by layer.
+
+    Evaluating one layer at a time gives load progress a person can watch and
+    tells which layer a load died in.
+    """
+    started = time.perf_counter()
+    progress("resolve", 0, 1)
+    path = resolve_model_path(model)
+    progress("resolve", 1, 1)
+    loaded_model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(path), lazy=True))
+    layers = list(getattr(loaded_model, "layers", []))
+    total = len(layers) + 1
+    for index, layer in enumerate(layers, start=1):
+        mx.eval(layer.parameters())
+        progress("weights", index, total)
+    mx.eval(loaded_model.parameters())  # embeddings, norms, head
+    progress("weights", total, total)
+    return LoadedModel(
+        model=loaded_model,
+        tokenizer=tokenizer,
+        path=path,
+        param_bytes=parameter_bytes(loaded_model),
+        load_s=time.perf_counter() - started,
+    )

@@ -1,0 +1,275 @@
+"""The runner process: one model, driven over a pipe pair by the supervisor.
+
+Started as ``python -m runner --read-fd R --write-fd W --parent-pid P``. The
+fds are inherited pipe ends; stdout and stderr stay free for logs, which the
+supervisor captures. A reader thread owns the incoming pipe: it reacts to
+Cancel and Shutdown at once and exits the process the moment the pipe
+reaches EOF, so a runner never outlives its supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any, NoReturn
+
+import structlog
+
+from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
+from ipc.messages import (
+    Cancel,
+    ExitAudit,
+    Generate,
+    GenerationFailed,
+    LoadFailed,
+    LoadModel,
+    LoadProgress,
+    Ping,
+    Pong,
+    Ready,
+    RunnerCommand,
+    Shutdown,
+    TextChunk,
+)
+from runner.faults import Faults
+from runner.logs import configure_logging
+
+EXIT_ORPHANED = 70  # the supervisor went away
+EXIT_PROTOCOL = 71  # the supervisor sent something we cannot read
+EXIT_LOAD_FAILED = 72
+
+log = structlog.get_logger("runner")
+
+
+class RunnerExit(Exception):
+    """Leave the main loop and exit with ``code``, reporting ``cause``."""
+
+    def __init__(self, code: int, cause: str) -> None:
+        super().__init__(cause)
+        self.code = code
+        self.cause = cause
+
+
+def set_parent_death_signal(parent_pid: int) -> None:
+    """On Linux, have the kernel SIGKILL us when our parent dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(EXIT_ORPHANED)
+
+
+def memory_figures() -> tuple[int, int]:
+    """MLX active and peak memory in bytes (0, 0 before mlx is imported)."""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return 0, 0
+    return int(mx.get_active_memory()), int(mx.get_peak_memory())
+
+
+class Runner:
+    """State of the runner process: the model, the current request, the pipe."""
+
+    def __init__(self, channel: BlockingChannel[RunnerCommand], faults: Faults) -> None:
+        self.channel = channel
+        self.faults = faults
+        self.commands: queue.Queue[RunnerCommand] = queue.Queue()
+        self.cancelled = threading.Event()
+        self.current_request: int | None = None
+        self.name = "?"
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.max_tokens_cap: int | None = None
+        self._lock = threading.Lock()
+
+    # --- the reader thread ---------------------------------------------------
+
+    def read_commands(self) -> None:
+        """Reader thread: route each command; exit the process on EOF."""
+        while True:
+            try:
+                command = self.channel.recv()
+            except ChannelClosed:
+                log.warning("supervisor_gone", action="exiting")
+                os._exit(EXIT_ORPHANED)
+            except (ProtocolError, OSError) as exc:
+                log.error("protocol_error", error=str(exc))
+                os._exit(EXIT_PROTOCOL)
+            if isinstance(command, Cancel):
+                with self._lock:
+                    if command.request_id == self.current_request:
+                        self.cancelled.set()
+                continue
+            if isinstance(command, Shutdown):
+                if "ignore_shutdown" in self.faults:
+                    log.warning("fault_ignoring_shutdown")
+                    continue
+                self.cancelled.set()  # finish the current request early
+            self.commands.put(command)
+
+    # --- the main thread -----------------------------------------------------
+
+    def serve(self) -> str:
+        """Handle commands until Shutdown; return the exit cause."""
+        while True:
+            command = self.commands.get()
+            if isinstance(command, Shutdown):
+                return f"shutdown: {command.reason}"
+            if isinstance(command, LoadModel):
+                self.load(command)
+            elif isinstance(command, Generate):
+                self.generate(command)
+            elif isinstance(command, Ping):
+                self.channel.send(Pong(command.seq, memory_figures()[0]))
+
+    def load(self, command: LoadModel) -> None:
+        from runner.loading import load_model
+
+        self.name = command.name
+        self.max_tokens_cap = command.max_tokens_cap
+        structlog.contextvars.bind_contextvars(model=command.name)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            active = memory_figures()[0]
+            self.channel.send(LoadProgress(command.name, phase, done, total, active))
+            if phase == "weights":
+                log.info("load_progress", layer=done, layers=total, active_bytes=active)
+
+        try:
+            self.faults.at_load()
+            loaded = load_model(command.model, progress)
+        except Exception as exc:
+            log.error("load_failed", model=command.model, error=repr(exc))
+            error = f"{type(exc).__name__}: {exc}"
+            self.channel.send(LoadFailed(error))
+            raise RunnerExit(EXIT_LOAD_FAILED, f"load failed: {error}") from exc
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        active, peak = memory_figures()
+        log.info(
+            "ready", path=str(loaded.path), param_bytes=loaded.param_bytes, load_s=loaded.load_s
+        )
+        self.channel.send(
+            Ready(str(loaded.path), loaded.param_bytes, active, peak, loaded.load_s)
+        )
+
+    def generate(self, request: Generate) -> None:
+        from runner.generation import run_generation
+
+        with self._lock:
+            self.current_request = request.request_id
+            self.cancelled.clear()
+
+        def send(chunk: TextChunk) -> None:
+            self.channel.send(chunk)
+
+        try:
+            if self.model is None:
+                raise RuntimeError("no model loaded")
+            done = run_generation(
+                self.model,
+                self.tokenizer,
+                request,
+                max_tokens_cap=self.max_tokens_cap,
+                cancelled=self.cancelled,
+                send=send,
+                faults=self.faults,
+            )
+        except Exception as exc:
+            log.error("generation_failed", request_id=request.request_id, error=repr(exc))
+            self.channel.send(GenerationFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
+        else:
+            log.info(
+                "generation_done",
+                request_id=request.request_id,
+                tokens=done.generation_tokens,
+                tps=round(done.generation_tps, 1),
+                finish_reason=done.finish_reason,
+            )
+            self.channel.send(done)
+        finally:
+            with self._lock:
+                self.current_request = None
+
+    def release(self) -> None:
+        """Drop the model and return MLX's cached buffers (best effort)."""
+        self.model = self.tokenizer = None
+        gc.collect()
+        mx = sys.modules.get("mlx.core")
+        if mx is not None:
+            mx.clear_cache()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m runner", description=__doc__)
+    parser.add_argument("--read-fd", type=int, required=True)
+    parser.add_argument("--write-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Entry point of ``python -m runner``."""
+    args = parse_args(argv)
+    set_parent_death_signal(args.parent_pid)
+    configure_logging()
+    structlog.contextvars.bind_contextvars(runner_pid=os.getpid())
+    faults = Faults.from_env()
+    if faults.spec:
+        log.warning("fault_injection_enabled", faults=faults.spec)
+    if "ignore_sigterm" in faults:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the daemon, who decides
+
+    channel: BlockingChannel[RunnerCommand] = BlockingChannel(
+        args.read_fd, args.write_fd, Codec(RunnerCommand)
+    )
+    if "exit_in_handshake" in faults:
+        os._exit(1)
+    try:
+        channel.handshake("runner", expect_role="supervisor")
+    except (ProtocolError, ChannelClosed, OSError) as exc:
+        log.error("handshake_failed", error=str(exc))
+        os._exit(EXIT_PROTOCOL)
+
+    runner = Runner(channel, faults)
+    threading.Thread(target=runner.read_commands, name="pipe-reader", daemon=True).start()
+    started = time.perf_counter()
+    import mlx_lm  # noqa: F401  (paid once here, before a LoadModel arrives)
+
+    log.info("runner_started", import_s=round(time.perf_counter() - started, 3))
+
+    cause = "unknown"
+    code = 0
+    try:
+        cause = runner.serve()
+    except RunnerExit as exc:
+        code, cause = exc.code, exc.cause
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        cause = "SIGTERM" if code == 128 + signal.SIGTERM else f"exit {code}"
+    except BaseException as exc:
+        code = 1
+        cause = f"{type(exc).__name__}: {exc}"
+        log.exception("runner_crashed")
+    finally:
+        runner.release()
+        active, peak = memory_figures()
+        log.info("exit_audit", cause=cause, active_bytes=active, peak_bytes=peak)
+        with contextlib.suppress(OSError):
+            channel.send(ExitAudit(cause, active, peak))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

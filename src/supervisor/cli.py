@@ -1,0 +1,331 @@
+"""The ``mlx-supervisor`` command line.
+
+Exit codes: 0 success, 1 the operation failed (with a one-line reason),
+2 usage error, 3 no daemon reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from ipc.messages import ChatMessage, LoadProgress, RunnerInfo, StatusReply
+from supervisor import __version__
+from supervisor.client import Client, ClientError, DaemonUnreachable
+from supervisor.paths import SOCKET_ENV, default_config_path, default_socket_path
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+
+def format_bytes(n: int | None) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def status_table(status: StatusReply) -> str:
+    """The status as a table for people, like ``ollama ps``."""
+    sup, system = status.supervisor, status.system
+    lines = [
+        f"supervisor pid {sup.pid}, version {sup.version}, up {format_duration(sup.uptime_s)}, "
+        f"socket {sup.socket}",
+        f"memory: {format_bytes(system.memory_available_bytes)} available of "
+        f"{format_bytes(system.memory_total_bytes)}",
+    ]
+    if not status.runners:
+        lines.append("no models loaded")
+        return "\n".join(lines)
+    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "UP", "RESTARTS", "LAST EXIT")
+    now = time.time()
+    rows: list[tuple[str, ...]] = [header]
+    for r in status.runners:
+        rows.append(_runner_row(r, now))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def _runner_row(r: RunnerInfo, now: float) -> tuple[str, ...]:
+    up = format_duration(now - r.started_at) if r.started_at and r.pid else "-"
+    last = r.last_exit.cause if r.last_exit is not None else "-"
+    return (
+        r.name,
+        r.model,
+        str(r.pid) if r.pid is not None else "-",
+        r.state,
+        format_bytes(r.rss_bytes),
+        up,
+        str(r.restarts),
+        last,
+    )
+
+
+class ProgressPrinter:
+    """Shows load progress on stderr: one rewritten line on a TTY, else lines."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self._last_phase = ""
+
+    def __call__(self, p: LoadProgress) -> None:
+        if p.phase == "weights":
+            text = f"loading {p.name}: layer {p.done}/{p.total} ({format_bytes(p.active_bytes)})"
+        else:
+            text = f"loading {p.name}: {p.phase}"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + text)
+        elif p.phase != self._last_phase or p.done == p.total:
+            sys.stderr.write(text + "\n")
+        self._last_phase = p.phase
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from supervisor.config import ConfigError, load_config
+    from supervisor.control import DaemonAlreadyRunning
+    from supervisor.daemon import run_daemon
+    from supervisor.logs import configure_logging
+
+    config_path: Path | None = args.config
+    if config_path is None and default_config_path().exists():
+        config_path = default_config_path()
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    socket_path = args.socket or (
+        Path(config.socket_path) if config.socket_path else default_socket_path()
+    )
+    configure_logging()
+    try:
+        run_daemon(config, socket_path)
+    except (DaemonAlreadyRunning, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_load(args: argparse.Namespace, client: Client) -> int:
+    env: dict[str, str] = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"error: --env wants KEY=VALUE, got {item!r}", file=sys.stderr)
+            return EXIT_USAGE
+        env[key] = value
+    progress = ProgressPrinter()
+    try:
+        loaded = client.load(
+            args.model, args.name, max_tokens=args.max_tokens, env=env, on_progress=progress
+        )
+    finally:
+        progress.finish()
+    print(
+        f"{loaded.name} ready: pid {loaded.pid}, {format_bytes(loaded.param_bytes)} of weights, "
+        f"loaded in {loaded.load_s:.2f}s"
+    )
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace, client: Client) -> int:
+    messages = [ChatMessage("user", args.prompt)] if args.chat else None
+    gen = client.generate(
+        args.name,
+        None if args.chat else args.prompt,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    with gen:
+        try:
+            for text in gen:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            gen.cancel()
+            for text in gen:
+                sys.stdout.write(text)
+    done = gen.done
+    assert done is not None
+    sys.stdout.write("\n")
+    if args.json:
+        summary = {
+            "prompt_tokens": done.prompt_tokens,
+            "generation_tokens": done.generation_tokens,
+            "ttft_s": gen.ttft_s,
+            "generation_tps": done.generation_tps,
+            "prompt_tps": done.prompt_tps,
+            "peak_memory_bytes": done.peak_memory_bytes,
+            "finish_reason": done.finish_reason,
+        }
+        sys.stdout.write(json.dumps(summary) + "\n")
+    return EXIT_OK
+
+
+def cmd_unload(args: argparse.Namespace, client: Client) -> int:
+    unloaded = client.unload(args.name)
+    steps = " -> ".join(unloaded.steps) or "nothing to stop"
+    print(
+        f"{unloaded.name} unloaded: pid {unloaded.pid} reaped in {unloaded.elapsed_s:.2f}s "
+        f"({steps}; {unloaded.exit.cause})"
+    )
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, client: Client) -> int:
+    status = client.status()
+    if args.json:
+        print(msgspec.json.encode(status).decode())
+    else:
+        print(status_table(status))
+    return EXIT_OK
+
+
+def cmd_shutdown(args: argparse.Namespace, client: Client) -> int:
+    ack = client.shutdown()
+    print(f"daemon stopped ({ack.runners} runner(s) stopped)")
+    return EXIT_OK
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from supervisor.service import install_hint, render_service, service_install_path
+
+    socket_path = args.socket or default_socket_path()
+    command = [sys.executable, "-m", "supervisor", "serve"]
+    config = args.config.resolve() if args.config else None
+    sys.stdout.write(
+        render_service(args.kind, command=command, socket_path=socket_path, config_path=config)
+    )
+    print(
+        f"\n# save as {service_install_path(args.kind)}, then:\n"
+        + "\n".join(f"#   {line}" for line in install_hint(args.kind).splitlines()),
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from supervisor.demo import run_demo
+
+    return run_demo(args.model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-supervisor",
+        description="Supervise local MLX language models, one runner process per model.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    socket_parent = argparse.ArgumentParser(add_help=False)
+    socket_parent.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help=f"daemon socket (default: ${SOCKET_ENV} or the per-user runtime dir)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", parents=[socket_parent], help="run the daemon in the foreground")
+    p.add_argument("--config", type=Path, help="TOML config (default: XDG config dir)")
+
+    p = sub.add_parser("load", parents=[socket_parent], help="load a model into a new runner")
+    p.add_argument("model", help="Hugging Face repo id, local directory or builtin:tiny")
+    p.add_argument("--name", help="name to use for it (default: derived from the model)")
+    p.add_argument("--max-tokens", type=int, help="cap on max_tokens of every request")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable for the runner (repeatable)")  # fmt: skip
+
+    p = sub.add_parser("generate", parents=[socket_parent], help="stream a generation")
+    p.add_argument("name")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--chat", action="store_true", help="send PROMPT as a chat message")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+
+    p = sub.add_parser("unload", parents=[socket_parent], help="stop a model's runner")
+    p.add_argument("name")
+
+    p = sub.add_parser("status", parents=[socket_parent], help="the daemon and its runners")
+    p.add_argument("--json", action="store_true")
+
+    sub.add_parser("shutdown", parents=[socket_parent], help="stop all runners and the daemon")
+
+    p = sub.add_parser("service", help="print a launchd plist or systemd unit")
+    service_sub = p.add_subparsers(dest="service_command", required=True)
+    sp = service_sub.add_parser("print", parents=[socket_parent])
+    sp.add_argument("kind", choices=["launchd", "systemd"])
+    sp.add_argument("--config", type=Path)
+
+    p = sub.add_parser("demo", help="a guided tour on builtin:tiny with a private daemon")
+    p.add_argument("--model", default="builtin:tiny")
+    return parser
+
+
+CLIENT_COMMANDS = {
+    "load": cmd_load,
+    "generate": cmd_generate,
+    "unload": cmd_unload,
+    "status": cmd_status,
+    "shutdown": cmd_shutdown,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "service":
+        return cmd_service(args)
+    if args.command == "demo":
+        return cmd_demo(args)
+    client = Client(args.socket)
+    try:
+        return CLIENT_COMMANDS[args.command](args, client)
+    except DaemonUnreachable as exc:
+        print(f"error: {exc.message}; is `mlx-supervisor serve` running?", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ClientError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,251 @@
+"""The Python client of the daemon (blocking; used by the CLI and the tests).
+
+One connection per request. A generation is an iterator of text pieces::
+
+    client = Client()
+    client.load("builtin:tiny")
+    with client.generate("tiny", "Hello", max_tokens=32) as gen:
+        for text in gen:
+            print(text, end="")
+    print(gen.done.generation_tps)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
+from ipc.messages import (
+    CancelRequest,
+    ChatMessage,
+    ClientMessage,
+    ErrorReply,
+    GenerateRequest,
+    GenerationDone,
+    Loaded,
+    LoadProgress,
+    LoadRequest,
+    SamplingParams,
+    ServerMessage,
+    ShutdownAck,
+    ShutdownRequest,
+    StatusReply,
+    StatusRequest,
+    TextChunk,
+    Unloaded,
+    UnloadRequest,
+)
+from supervisor import __version__
+from supervisor.paths import default_socket_path
+
+R = TypeVar("R")
+
+
+class ClientError(Exception):
+    """The daemon refused or failed a request; ``code`` is the protocol's."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class DaemonUnreachable(ClientError):
+    """No daemon answers on the socket."""
+
+
+class Client:
+    """Talks to one daemon.
+
+    Args:
+        socket_path: the daemon's socket; default ``$MLX_SUPERVISOR_SOCKET``
+            or the per-user runtime dir.
+    """
+
+    def __init__(self, socket_path: str | Path | None = None) -> None:
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+
+    def connect(self) -> BlockingChannel[ServerMessage]:
+        """Open a connection and shake hands.
+
+        Raises:
+            DaemonUnreachable: nothing listens on the socket.
+            ClientError: the daemon speaks another protocol version.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.socket_path))
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnreachable(
+                "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
+            ) from exc
+        fd = sock.detach()
+        channel: BlockingChannel[ServerMessage] = BlockingChannel(fd, fd, Codec(ServerMessage))
+        try:
+            channel.handshake("client", "supervisor", __version__)
+        except (ProtocolError, ChannelClosed, OSError) as exc:
+            channel.close()
+            message = f"handshake with {self.socket_path} failed: {exc}"
+            raise ClientError("protocol", message) from exc
+        return channel
+
+    def _request(
+        self,
+        request: ClientMessage,
+        expect: type[R],
+        on_message: Callable[[ServerMessage], None] | None = None,
+    ) -> R:
+        channel = self.connect()
+        try:
+            channel.send(request)
+            while True:
+                reply = _recv(channel)
+                if isinstance(reply, expect):
+                    return reply
+                if on_message is not None:
+                    on_message(reply)
+        finally:
+            channel.close()
+
+    def status(self) -> StatusReply:
+        """The daemon's pid, uptime, the machine's memory and every runner."""
+        return self._request(StatusRequest(), StatusReply)
+
+    def load(
+        self,
+        model: str,
+        name: str | None = None,
+        *,
+        max_tokens: int | None = None,
+        env: dict[str, str] | None = None,
+        on_progress: Callable[[LoadProgress], None] | None = None,
+    ) -> Loaded:
+        """Start a runner for ``model`` and wait until it is ready.
+
+        Raises:
+            ClientError: the load failed (``code`` ``load_failed``,
+                ``already_loaded``, ...).
+        """
+
+        def progress(message: ServerMessage) -> None:
+            if on_progress is not None and isinstance(message, LoadProgress):
+                on_progress(message)
+
+        request = LoadRequest(model=model, name=name, max_tokens=max_tokens, env=env or {})
+        return self._request(request, Loaded, progress)
+
+    def unload(self, name: str) -> Unloaded:
+        """Stop the model's runner (escalating as needed) and forget it."""
+        return self._request(UnloadRequest(name), Unloaded)
+
+    def shutdown(self) -> ShutdownAck:
+        """Stop every runner and the daemon; returns once the runners are reaped."""
+        return self._request(ShutdownRequest(), ShutdownAck)
+
+    def generate(
+        self,
+        name: str,
+        prompt: str | None = None,
+        *,
+        messages: list[ChatMessage] | list[dict[str, str]] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Generation:
+        """Start a generation; iterate the result for text pieces."""
+        chat = None
+        if messages is not None:
+            chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+        request = GenerateRequest(
+            name=name,
+            prompt=prompt,
+            messages=chat,
+            sampling=SamplingParams(max_tokens, temperature, top_p, seed),
+        )
+        channel = self.connect()
+        try:
+            channel.send(request)
+        except OSError:
+            channel.close()
+            raise
+        return Generation(channel)
+
+    def generate_text(self, name: str, prompt: str, **kwargs: object) -> tuple[str, GenerationDone]:
+        """Generate to the end; return the whole text and the final stats."""
+        with self.generate(name, prompt, **kwargs) as gen:  # type: ignore[arg-type]
+            text = "".join(gen)
+        assert gen.done is not None
+        return text, gen.done
+
+
+class Generation:
+    """A streaming generation: iterate for text; ``done`` holds the stats at the end.
+
+    ``ttft_s`` is measured here, from the request to the first text frame.
+    """
+
+    def __init__(self, channel: BlockingChannel[ServerMessage]) -> None:
+        self._channel = channel
+        self._sent_at = time.perf_counter()
+        self.ttft_s: float | None = None
+        self.tokens = 0
+        self.done: GenerationDone | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if self.done is not None:
+            raise StopIteration
+        message = _recv(self._channel)
+        if isinstance(message, TextChunk):
+            if self.ttft_s is None:
+                self.ttft_s = time.perf_counter() - self._sent_at
+            self.tokens = message.generation_tokens
+            return message.text
+        if isinstance(message, GenerationDone):
+            self.done = message
+            self.close()
+            raise StopIteration
+        raise ClientError("protocol", f"unexpected {type(message).__name__} during generate")
+
+    def cancel(self) -> None:
+        """Ask the daemon to stop; keep iterating to read the rest and ``done``."""
+        with contextlib.suppress(OSError):
+            self._channel.send(CancelRequest())
+
+    def close(self) -> None:
+        """Drop the connection (the daemon then cancels the generation)."""
+        self._channel.close()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _recv(channel: BlockingChannel[ServerMessage]) -> ServerMessage:
+    """Next message; an ErrorReply becomes ClientError, EOF becomes ClientError."""
+    try:
+        message = channel.recv()
+    except ChannelClosed as exc:
+        raise ClientError("disconnected", "the daemon closed the connection") from exc
+    except ProtocolError as exc:
+        raise ClientError("protocol", str(exc)) from exc
+    if isinstance(message, ErrorReply):
+        raise ClientError(message.code, message.message)
+    return message

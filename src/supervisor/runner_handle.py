@@ -1,0 +1,302 @@
+"""One runner child process: spawn, pipes, events, exit status, escalation.
+
+The handle notices death at once: the pipe from the runner reaches EOF and
+the process wait returns, both driven by the event loop, never by a poll.
+Every path out of a handle's tasks reaps the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import ByteReceiveStream, Process, TaskGroup
+
+from ipc import AsyncChannel, ChannelClosed, Codec, FdStream, ProtocolError
+from ipc.messages import ExitAudit, ExitInfo, Pong, RunnerCommand, RunnerEvent, Shutdown
+from supervisor import __version__
+from supervisor.config import ModelConfig, SupervisorConfig
+
+_LEVELS = {"debug", "info", "warning", "error", "critical"}
+
+
+class RunnerGone(Exception):
+    """The runner process has exited; ``exit`` says how."""
+
+    def __init__(self, exit: ExitInfo) -> None:
+        super().__init__(exit.cause)
+        self.exit = exit
+
+
+class RunnerStartError(Exception):
+    """The runner could not be started or failed its handshake."""
+
+
+def describe_exit(returncode: int, audit: ExitAudit | None, stderr_tail: list[str]) -> ExitInfo:
+    """Build the ExitInfo for a reaped runner from its return code and last words."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return ExitInfo(code=None, signal=name, cause=f"killed by {name}")
+    if audit is not None:
+        return ExitInfo(code=returncode, signal=None, cause=audit.cause)
+    cause = f"exited with code {returncode}"
+    if returncode != 0 and stderr_tail:
+        cause += f": {stderr_tail[-1][:200]}"
+    return ExitInfo(code=returncode, signal=None, cause=cause)
+
+
+class RunnerHandle:
+    """The supervisor's view of one runner process.
+
+    Args:
+        spec: the model this runner serves (name, model, env, caps).
+        config: the daemon config (graces, frame limit, timeouts).
+    """
+
+    def __init__(self, spec: ModelConfig, config: SupervisorConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.process: Process | None = None
+        self.channel: AsyncChannel[RunnerEvent] | None = None
+        self.started_at: float | None = None
+        self.exited = anyio.Event()
+        self.exit_info: ExitInfo | None = None
+        self.audit: ExitAudit | None = None
+        self.stop_requested = False
+        self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
+        self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
+            max_buffer_size=math.inf
+        )
+        self.log: Any = structlog.get_logger("supervisor.runner").bind(model=spec.name)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and not self.exited.is_set()
+
+    # --- start ---------------------------------------------------------------
+
+    async def start(self, task_group: TaskGroup) -> None:
+        """Spawn the runner, start its watcher tasks in ``task_group``, shake hands.
+
+        Raises:
+            RunnerStartError: the process could not start or failed the
+                handshake (it is then killed and reaped).
+        """
+        command_r, command_w = os.pipe()
+        event_r, event_w = os.pipe()
+        env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}
+        argv = [
+            sys.executable, "-m", "runner",
+            "--read-fd", str(command_r),
+            "--write-fd", str(event_w),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        try:
+            self.process = await anyio.open_process(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(command_r, event_w),
+                env=env,
+            )
+        except OSError as exc:
+            for fd in (command_r, command_w, event_r, event_w):
+                os.close(fd)
+            raise RunnerStartError(f"cannot start runner: {exc}") from exc
+        finally:
+            if self.process is not None:
+                os.close(command_r)
+                os.close(event_w)
+        self.started_at = time.time()
+        self.log = self.log.bind(runner_pid=self.process.pid)
+        self.log.info("runner_spawned", argv=argv[1:3])
+        self.channel = AsyncChannel(
+            FdStream(event_r, command_w), Codec(RunnerEvent, self.config.max_frame_bytes)
+        )
+        assert self.process.stdout is not None and self.process.stderr is not None
+        task_group.start_soon(self._relay_output, self.process.stderr, "stderr")
+        task_group.start_soon(self._relay_output, self.process.stdout, "stdout")
+        task_group.start_soon(self._watch_exit)
+        try:
+            with anyio.fail_after(self.config.handshake_timeout_s):
+                await self.channel.handshake("supervisor", "runner", __version__)
+        except (ProtocolError, ChannelClosed, TimeoutError) as exc:
+            self.signal(signal.SIGKILL)
+            await self.exited.wait()
+            self._events_in.close()
+            reason = str(exc) or type(exc).__name__
+            exit_info = self.exit_info
+            detail = f" ({exit_info.cause})" if exit_info is not None else ""
+            raise RunnerStartError(f"runner handshake failed: {reason}{detail}") from exc
+        task_group.start_soon(self._pump_events)
+
+    # --- watching ------------------------------------------------------------
+
+    async def _watch_exit(self) -> None:
+        assert self.process is not None
+        try:
+            returncode = await self.process.wait()
+        finally:
+            if self.process.returncode is None:  # we are being cancelled: never leave it
+                with anyio.CancelScope(shield=True):
+                    self.signal(signal.SIGKILL)
+                    await self.process.wait()
+        self.exit_info = describe_exit(returncode, self.audit, list(self.stderr_tail))
+        level = "info" if self.stop_requested else "warning"
+        getattr(self.log, level)(
+            "runner_exited",
+            code=self.exit_info.code,
+            signal=self.exit_info.signal,
+            cause=self.exit_info.cause,
+            requested=self.stop_requested,
+        )
+        self.exited.set()
+
+    async def _pump_events(self) -> None:
+        """Forward runner events to ``next_event`` until the pipe closes."""
+        assert self.channel is not None
+        try:
+            while True:
+                try:
+                    event = await self.channel.recv()
+                except ChannelClosed:
+                    break
+                except ProtocolError as exc:
+                    self.log.error("runner_protocol_error", error=str(exc), action="kill")
+                    self.signal(signal.SIGKILL)
+                    break
+                if isinstance(event, ExitAudit):
+                    self.audit = event
+                    self.log.info(
+                        "runner_exit_audit",
+                        cause=event.cause,
+                        active_bytes=event.active_bytes,
+                        peak_bytes=event.peak_bytes,
+                    )
+                elif not isinstance(event, Pong):
+                    self._events_in.send_nowait(event)
+            await self.exited.wait()  # so RunnerGone can carry the exit status
+        finally:
+            self._events_in.close()
+            with anyio.CancelScope(shield=True):
+                await self.channel.aclose()
+
+    async def _relay_output(self, stream: ByteReceiveStream, source: str) -> None:
+        """Re-log the runner's stdout/stderr lines with its model name and pid."""
+        pending = b""
+        async for chunk in stream:
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self._relay_line(line, source)
+        if pending:
+            self._relay_line(pending, source)
+
+    def _relay_line(self, raw: bytes, source: str) -> None:
+        text = raw.decode("utf-8", "replace").rstrip()
+        if not text:
+            return
+        if source == "stderr":
+            self.stderr_tail.append(text)
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("event"), str):
+            event = record.pop("event")
+            level = str(record.pop("level", "info"))
+            for key in ("timestamp", "model", "runner_pid"):
+                record.pop(key, None)
+            log_method = getattr(self.log, level if level in _LEVELS else "info")
+            log_method(event, source="runner", **record)
+        else:
+            self.log.info("runner_output", stream=source, line=text)
+
+    # --- talking -------------------------------------------------------------
+
+    async def send(self, command: RunnerCommand) -> None:
+        """Send a command to the runner.
+
+        Raises:
+            RunnerGone: the runner has exited (or its pipe is closed).
+        """
+        assert self.channel is not None
+        try:
+            await self.channel.send(command)
+        except ChannelClosed:
+            await self.exited.wait()
+            assert self.exit_info is not None
+            raise RunnerGone(self.exit_info) from None
+
+    async def next_event(self) -> RunnerEvent:
+        """The runner's next event (load progress, chunks, results).
+
+        Raises:
+            RunnerGone: the runner exited; no more events will come.
+        """
+        try:
+            return await self._events_out.receive()
+        except anyio.EndOfStream:
+            await self.exited.wait()
+            assert self.exit_info is not None
+            raise RunnerGone(self.exit_info) from None
+
+    def signal(self, signum: signal.Signals) -> None:
+        """Send ``signum`` to the runner if it has not been reaped yet."""
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signum)
+
+    # --- stopping ------------------------------------------------------------
+
+    async def escalate_shutdown(self, reason: str) -> list[str]:
+        """Stop the runner: Shutdown message, join, SIGTERM, join, SIGKILL, reap.
+
+        Waits ``shutdown_grace_s`` after the message and ``term_grace_s``
+        after SIGTERM. Returns the steps taken (``shutdown``, ``sigterm``,
+        ``sigkill``); when it returns the process has been reaped.
+        """
+        self.stop_requested = True
+        steps: list[str] = []
+        started = time.perf_counter()
+
+        def elapsed() -> float:
+            return round(time.perf_counter() - started, 3)
+
+        if not self.exited.is_set() and self.channel is not None:
+            with anyio.move_on_after(self.config.shutdown_grace_s):
+                try:
+                    await self.channel.send(Shutdown(reason))
+                    steps.append("shutdown")
+                    self.log.info("escalate_shutdown_sent", reason=reason)
+                except ChannelClosed:
+                    pass
+                await self.exited.wait()
+        if not self.exited.is_set():
+            steps.append("sigterm")
+            self.log.warning("escalate_sigterm", elapsed_s=elapsed())
+            self.signal(signal.SIGTERM)
+            with anyio.move_on_after(self.config.term_grace_s):
+                await self.exited.wait()
+        if not self.exited.is_set():
+            steps.append("sigkill")
+            self.log.warning("escalate_sigkill", elapsed_s=elapsed())
+            self.signal(signal.SIGKILL)
+            await self.exited.wait()
+        self.log.info("runner_reaped", steps=steps, elapsed_s=elapsed())
+        return steps

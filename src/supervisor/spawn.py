@@ -1,0 +1,156 @@
+"""Start a daemon as a child process and know when it is serving.
+
+Used by the demo, the tests and the benchmarks. Readiness is the daemon's own
+``daemon_started`` log event, read from its stderr: no sleeping, no polling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+
+class DaemonStartError(Exception):
+    """The daemon exited or never said it was serving."""
+
+
+class DaemonProcess:
+    """A ``mlx-supervisor serve`` child; its stderr is kept in ``log_lines``.
+
+    Args:
+        socket_path: where it listens.
+        config_path: optional TOML config.
+        env: extra environment for the daemon (and so its runners).
+        log_file: where to also write the daemon's log lines.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        config_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        log_file: Path | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.config_path = config_path
+        self.env = {**os.environ, **(env or {})}
+        self.log_file = log_file
+        self.log_lines: deque[str] = deque(maxlen=5000)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._started = threading.Event()
+        self._serving = False
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+        """Spawn the daemon and return once it serves.
+
+        Raises:
+            DaemonStartError: it exited first (the message has its last lines)
+                or did not start within ``timeout_s``.
+        """
+        argv = [sys.executable, "-m", "supervisor", "serve", "--socket", str(self.socket_path)]
+        if self.config_path is not None:
+            argv += ["--config", str(self.config_path)]
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=self.env,
+        )  # fmt: skip
+        assert self.process.stderr is not None
+        self._reader = threading.Thread(
+            target=self._read_log, args=(self.process.stderr,), daemon=True
+        )
+        self._reader.start()
+        if not self._started.wait(timeout_s):
+            self.kill()
+            raise DaemonStartError(f"daemon did not start in {timeout_s}s")
+        if not self._serving:
+            self.process.wait()
+            tail = "\n".join(list(self.log_lines)[-5:])
+            raise DaemonStartError(f"daemon exited with {self.process.returncode}:\n{tail}")
+        return self
+
+    def _read_log(self, stream: IO[bytes]) -> None:
+        sink = self.log_file.open("a", encoding="utf-8") if self.log_file else None
+        try:
+            for raw in stream:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                self.log_lines.append(line)
+                if sink is not None:
+                    sink.write(line + "\n")
+                    sink.flush()
+                if not self._started.is_set() and _is_event(line, "daemon_started"):
+                    self._serving = True
+                    self._started.set()
+        finally:
+            self._started.set()  # exited before serving: start() reports it
+            if sink is not None:
+                sink.close()
+
+    def events(self, name: str) -> list[dict[str, object]]:
+        """The daemon's log records with event ``name``, oldest first."""
+        records = []
+        for line in list(self.log_lines):
+            record = _parse(line)
+            if record is not None and record.get("event") == name:
+                records.append(record)
+        return records
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (graceful shutdown) and wait; returns the exit code."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        assert self.process is not None
+        code = self.process.wait(timeout_s)
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL and reap (for teardown after a failure)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.terminate()
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _parse(line: str) -> dict[str, object] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _is_event(line: str, name: str) -> bool:
+    record = _parse(line)
+    return record is not None and record.get("event") == name

@@ -1,0 +1,291 @@
+"""Tests for the offline builtin models (src/runner/builtin.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner import builtin
+from runner.builtin import (
+    BUILTIN_NAMES,
+    BUILTIN_PREFIX,
+    builtin_cache_dir,
+    ensure_builtin_model,
+    is_builtin,
+)
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ROUND_TRIP_TEXTS = [
+    "héllo wörld 🙂\n\tx",
+    " leading space and  double  spaces  ",
+    "a\x00b\x7f\r\n",
+    "你好\uff0c世界。こんにちは。Привет! مرحبا 👍🏽 ⚠️",
+    "def f(x):\n    return {'k': [1, 2.5e-3]}  # ünïcödé",
+    "<|im_end|> is only special when it is added as a special token",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PYTHONHASHSEED"] = "12345"  # differs from this process: nothing may depend on it
+    return env
+
+
+def _load(path: Path) -> tuple[Any, Any]:
+    import mlx_lm
+
+    loaded = mlx_lm.load(str(path))
+    return loaded[0], loaded[1]
+
+
+def _tmp_entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_builtin_model("builtin:tiny", tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> tuple[Any, Any]:
+    return _load(tiny_dir)
+
+
+def test_names() -> None:
+    assert BUILTIN_PREFIX == "builtin:"
+    assert BUILTIN_NAMES == ("tiny", "small")
+    assert is_builtin("builtin:tiny")
+    assert is_builtin("builtin:nope")
+    assert not is_builtin("mlx-community/Qwen3-0.6B-4bit")
+    assert not is_builtin("tiny")
+
+
+def test_cache_dir_honours_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert builtin_cache_dir() == tmp_path / "mlx-supervisor" / "builtin"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert builtin_cache_dir().parts[-2:] == ("mlx-supervisor", "builtin")
+
+
+@pytest.mark.parametrize("name", ["builtin:huge", "huge", "builtin:", "builtin:Tiny"])
+def test_unknown_name(name: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        ensure_builtin_model(name, tmp_path)
+    assert "builtin:tiny" in str(info.value)
+    assert "builtin:small" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_layout(tiny_dir: Path) -> None:
+    assert tiny_dir.name == f"tiny-v{builtin.RECIPE_VERSION}"
+    names = {p.name for p in tiny_dir.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    } <= names
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    tok_json = json.loads((tiny_dir / "tokenizer.json").read_text())
+    assert config["vocab_size"] == len(tok_json["model"]["vocab"])
+    assert 1000 <= config["vocab_size"] <= 4096
+    assert tok_json["pre_tokenizer"]["type"] == "ByteLevel"
+    assert tok_json["decoder"]["type"] == "ByteLevel"
+    # Same directory again without rebuilding it.
+    mtime = (tiny_dir / "model.safetensors").stat().st_mtime_ns
+    assert ensure_builtin_model("tiny", tiny_dir.parent) == tiny_dir
+    assert (tiny_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_tiny_loads_and_generates(tiny: tuple[Any, Any]) -> None:
+    import mlx.core as mx
+    import mlx_lm
+
+    model, tokenizer = tiny
+    logits = model(mx.array([tokenizer.encode("hello world")]))
+    assert bool(mx.all(mx.isfinite(logits)).item())
+    responses = list(mlx_lm.stream_generate(model, tokenizer, "hello", max_tokens=40))
+    # Special tokens have zeroed output rows, so a greedy decode never stops early.
+    assert responses[-1].finish_reason == "length"
+    assert responses[-1].generation_tokens == 40
+    assert all(r.token not in tokenizer.eos_token_ids for r in responses)
+
+
+def test_chat_template(tiny: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|begin_of_text|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    no_prompt = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert no_prompt == "<|begin_of_text|><|im_start|>user\nhi<|im_end|>\n"
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(getattr(ids, "input_ids", ids))  # transformers 5 may return a BatchEncoding
+    assert ids[:2] == [builtin.BOS_TOKEN_ID, 2]
+    assert builtin.EOS_TOKEN_ID in ids
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert builtin.EOS_TOKEN_ID in tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_byte_level_round_trip(tiny: tuple[Any, Any], text: str) -> None:
+    _, tokenizer = tiny
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    # Plain text never turns into special tokens (they have ids below 5).
+    if "<|" not in text:
+        assert min(ids) >= len(builtin.SPECIAL_TOKENS)
+
+
+def test_deterministic_across_processes(
+    tiny: tuple[Any, Any], tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A fresh interpreter builds byte-identical files and greedy-decodes the same text."""
+    import mlx_lm
+
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "import mlx_lm\n"
+        "from runner.builtin import ensure_builtin_model\n"
+        "path = ensure_builtin_model('builtin:tiny', Path(sys.argv[1]))\n"
+        "model, tok = mlx_lm.load(str(path))\n"
+        "text = mlx_lm.generate(model, tok, 'hello', max_tokens=20)\n"
+        "sys.stdout.write(json.dumps({'path': str(path), 'text': text}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    other = Path(out["path"])
+    assert other == tmp_path / tiny_dir.name
+    assert _files(other) == _files(tiny_dir)
+
+    model, tokenizer = tiny
+    text = mlx_lm.generate(model, tokenizer, "hello", max_tokens=20)
+    assert text == out["text"]
+    assert text  # a random model still produces some text
+
+
+def test_concurrent_creation(tmp_path: Path) -> None:
+    """Two processes creating the same model at the same moment get the same valid directory."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from runner.builtin import ensure_builtin_model\n"
+        "sys.stdout.write('ready\\n'); sys.stdout.flush()\n"
+        "sys.stdin.readline()\n"
+        "sys.stdout.write(str(ensure_builtin_model('builtin:tiny', Path(sys.argv[1]))))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env=_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:  # both are imported and waiting: release them together
+            assert p.stdout is not None
+            assert p.stdout.readline() == "ready\n"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err
+    paths = {Path(out) for out, _ in results}
+    assert paths == {tmp_path / f"tiny-v{builtin.RECIPE_VERSION}"}
+    (path,) = paths
+    assert _tmp_entries(tmp_path) == []
+    assert builtin._is_complete(path, builtin._resolve("tiny"))
+    _, tokenizer = _load(path)
+    assert tokenizer.decode(tokenizer.encode("ok", add_special_tokens=False)) == "ok"
+
+
+def test_losing_the_rename_race_keeps_the_winner(tmp_path: Path) -> None:
+    """Without the lock (non-POSIX), a creator that finds the target already there discards its
+    own build and leaves the winner's directory untouched."""
+    path = ensure_builtin_model("tiny", tmp_path)
+    before = _files(path)
+    spec = builtin._resolve("tiny")
+    builtin._build(spec, tmp_path, path)
+    assert _files(path) == before
+    assert _tmp_entries(tmp_path) == []
+
+
+def test_damaged_directory_is_rebuilt(tmp_path: Path) -> None:
+    path = ensure_builtin_model("tiny", tmp_path)
+    good = _files(path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # e.g. truncated
+    assert ensure_builtin_model("tiny", tmp_path) == path
+    assert _files(path) == good
+
+    # A directory under the final name that we did not finish (no manifest) is replaced.
+    (path / builtin.MANIFEST_NAME).unlink()
+    assert ensure_builtin_model("tiny", tmp_path) == path
+    assert _files(path) == good
+    assert _tmp_entries(tmp_path) == []
+
+
+def test_stale_temp_dirs_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / f".tiny-v{builtin.RECIPE_VERSION}.tmp-crashed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    os.utime(stale, (1_000_000_000, 1_000_000_000))
+    ensure_builtin_model("tiny", tmp_path)
+    assert not stale.exists()
+
+
+def test_small_recipe_size() -> None:
+    """builtin:small is a few hundred MB of float16 weights (checked without writing it)."""
+    n = builtin.param_count("builtin:small")
+    assert 120e6 <= n <= 200e6
+    assert 250e6 <= 2 * n <= 400e6
+    assert builtin.param_count("tiny") < 1e6
+
+
+def test_small_builds_and_loads_strictly(tmp_path: Path) -> None:
+    import mlx.core as mx
+    import mlx_lm
+
+    path = ensure_builtin_model("builtin:small", tmp_path)
+    size = (path / "model.safetensors").stat().st_size
+    assert 250e6 <= size <= 400e6
+    loaded = mlx_lm.load(str(path), lazy=True)  # strict: every weight must be present
+    model, tokenizer = loaded[0], loaded[1]
+    assert model.args.hidden_size == 1024
+    logits = model(mx.array([[builtin.BOS_TOKEN_ID, *tokenizer.encode("hi")]]))
+    assert logits.dtype == mx.float16
+    assert bool(mx.all(mx.isfinite(logits)).item())
