@@ -32,6 +32,7 @@ class FdStream(ByteStream):
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)
         self._closed = False
+        self._write_closed = False  # by send_eof: its fd number may be reused
 
     async def receive(self, max_bytes: int = _READ_CHUNK) -> bytes:
         while True:
@@ -49,7 +50,7 @@ class FdStream(ByteStream):
     async def send(self, item: bytes) -> None:
         view = memoryview(item)
         while view:
-            if self._closed:
+            if self._closed or self._write_closed:
                 raise anyio.ClosedResourceError
             try:
                 written = os.write(self.write_fd, view)
@@ -61,7 +62,9 @@ class FdStream(ByteStream):
             view = view[written:]
 
     async def send_eof(self) -> None:
-        self._close_fd(self.write_fd)
+        if not self._write_closed:
+            self._write_closed = True
+            self._close_fd(self.write_fd)
 
     def _close_fd(self, fd: int) -> None:
         anyio.notify_closing(fd)
@@ -73,7 +76,7 @@ class FdStream(ByteStream):
             return
         self._closed = True
         self._close_fd(self.read_fd)
-        self._close_fd(self.write_fd)
+        await self.send_eof()
 
 
 class AsyncChannel(Generic[T]):

@@ -19,6 +19,10 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 T = TypeVar("T")
 
+# What msgspec raises on bad input: DecodeError (ValidationError is a
+# subclass), and UnicodeDecodeError for a str that is not valid UTF-8.
+_DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
+
 
 class ProtocolError(Exception):
     """A frame or handshake that breaks the protocol: says what was wrong."""
@@ -60,7 +64,7 @@ class Codec(Generic[T]):
         """Decode one frame body. Raises ProtocolError on any bad input."""
         try:
             return self._decoder.decode(body)
-        except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad frame: {exc}") from exc
 
     def decode_hello(self, body: bytes | memoryview, expect_role: str | None = None) -> Hello:
@@ -72,7 +76,7 @@ class Codec(Generic[T]):
         """
         try:
             hello = self._hello_decoder.decode(body)
-        except msgspec.DecodeError as exc:
+        except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad handshake: expected hello ({exc})") from exc
         if hello.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(

@@ -300,6 +300,12 @@ class ExitAudit(msgspec.Struct, tag="exit_audit"):
 
 
 RunnerEvent = (
-    LoadProgress | Ready | LoadFailed | TextChunk | GenerationDone | GenerationFailed | Pong
+    LoadProgress
+    | Ready
+    | LoadFailed
+    | TextChunk
+    | GenerationDone
+    | GenerationFailed
+    | Pong
     | ExitAudit
 )

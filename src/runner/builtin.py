@@ -45,7 +45,7 @@ BUILTIN_PREFIX = "builtin:"
 # Bump when anything that changes the written files changes (corpus, tokenizer settings,
 # initialisation, config). The version is part of the directory name, so a new recipe gets a
 # new directory and old caches are simply left behind.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 # Marker file written last into the build directory; it records the recipe and the size of every
 # other file, and is checked on every ensure_builtin_model() call (cheap: stat only).
@@ -97,8 +97,9 @@ class _Spec:
     intermediate_size: int
     max_position_embeddings: int
     # float32 for tiny: it is ~1 MB either way and float32 keeps CPU matmuls free of half
-    # precision conversions and rounding; small uses float16 like a real checkpoint, which
-    # halves its size (~280 MB instead of ~560 MB) and the bandwidth a decode step needs.
+    # precision conversions and rounding; small uses bfloat16 like most real checkpoints,
+    # which halves its size (~280 MB instead of ~560 MB). Not float16: mlx's CPU build
+    # decodes float16 about 3x slower than bfloat16 here (2.2 vs 6.8 tok/s).
     dtype: str
     seed: int
 
@@ -131,7 +132,7 @@ _SPECS: dict[str, _Spec] = {
         num_key_value_heads=4,
         intermediate_size=2816,
         max_position_embeddings=8192,
-        dtype="float16",
+        dtype="bfloat16",
         seed=0x5A11,
     ),
 }
@@ -225,10 +226,9 @@ def _creation_lock(path: Path) -> Iterator[None]:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
+        # A filesystem without locks (some network mounts) fails here: rely on the rename race.
+        with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # e.g. a network filesystem without locks: rely on the rename race
-            pass
         yield
     finally:
         os.close(fd)  # closing releases the lock
@@ -475,6 +475,16 @@ def param_count(model: str, vocab_size: int | None = None) -> int:
     return total
 
 
+def _to_bfloat16_bytes(values: Any) -> bytes:
+    """float32 array -> little-endian bfloat16 bytes, rounding to nearest even."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4")
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    out: bytes = rounded.astype("<u2").tobytes()
+    return out
+
+
 def _write_weights(spec: _Spec, vocab_size: int, path: Path) -> None:
     """Write the random weights as a safetensors file, streaming one tensor at a time.
 
@@ -485,8 +495,8 @@ def _write_weights(spec: _Spec, vocab_size: int, path: Path) -> None:
     """
     import numpy as np
 
-    np_dtype = np.dtype("<f2") if spec.dtype == "float16" else np.dtype("<f4")
-    st_dtype = "F16" if spec.dtype == "float16" else "F32"
+    np_dtype = np.dtype("<u2") if spec.dtype == "bfloat16" else np.dtype("<f4")
+    st_dtype = "BF16" if spec.dtype == "bfloat16" else "F32"
     shapes = _weight_shapes(spec, vocab_size)
     header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
     offset = 0
@@ -503,7 +513,10 @@ def _write_weights(spec: _Spec, vocab_size: int, path: Path) -> None:
 
     def make(item: tuple[str, tuple[int, ...]]) -> bytes:
         name, shape = item
-        data: bytes = _init_tensor(spec, name, shape).astype(np_dtype).tobytes()
+        values = _init_tensor(spec, name, shape)
+        if spec.dtype == "bfloat16":
+            return _to_bfloat16_bytes(values)
+        data: bytes = values.astype(np_dtype).tobytes()
         return data
 
     workers = max(1, min(8, os.cpu_count() or 1))

@@ -159,9 +159,7 @@ class Runner:
         log.info(
             "ready", path=str(loaded.path), param_bytes=loaded.param_bytes, load_s=loaded.load_s
         )
-        self.channel.send(
-            Ready(str(loaded.path), loaded.param_bytes, active, peak, loaded.load_s)
-        )
+        self.channel.send(Ready(str(loaded.path), loaded.param_bytes, active, peak, loaded.load_s))
 
     def generate(self, request: Generate) -> None:
         from runner.generation import run_generation

@@ -182,9 +182,7 @@ class Registry:
         old = self.entries.get(spec.name)
         if old is not None:
             if old.state not in ("crashed", "failed"):
-                raise RequestError(
-                    "already_loaded", f"{spec.name} is already loaded ({old.state})"
-                )
+                raise RequestError("already_loaded", f"{spec.name} is already loaded ({old.state})")
             await self.unload(spec.name)
         entry = ModelEntry(spec=spec)
         if on_progress is not None:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The quickstart: `bash run.sh demo` runs the demo, `bash run.sh test` runs the tests.
+# Both make ./.venv (Python >= 3.11) and install the project into it on first use.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+pick_python() {
+  for candidate in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
+    [ -n "$candidate" ] || continue
+    if command -v "$candidate" >/dev/null 2>&1 &&
+      "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+  echo "error: mlx-supervisor needs Python >= 3.11 (set PYTHON=/path/to/python)" >&2
+  exit 2
+}
+
+ensure_venv() {
+  local stamp=.venv/.installed
+  if [ ! -x .venv/bin/python ]; then
+    "$(pick_python)" -m venv .venv
+  fi
+  # Reinstall when pyproject.toml changes.
+  local want
+  want=$(cksum pyproject.toml | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e '.[dev]'
+    echo "$want" >"$stamp"
+  fi
+}
+
+command=${1:-demo}
+shift || true
+case "$command" in
+  demo)
+    ensure_venv
+    exec .venv/bin/mlx-supervisor demo "$@"
+    ;;
+  test)
+    ensure_venv
+    exec .venv/bin/python -m pytest -q "$@"
+    ;;
+  lint)
+    ensure_venv
+    .venv/bin/ruff check src tests bench
+    exec .venv/bin/mypy
+    ;;
+  bench)
+    ensure_venv
+    exec .venv/bin/python bench/bench_daemon.py "$@"
+    ;;
+  *)
+    echo "usage: bash run.sh demo|test|lint|bench [args...]" >&2
+    exit 2
+    ;;
+esac

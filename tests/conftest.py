@@ -1,0 +1,120 @@
+"""Fixtures: private daemons on temp sockets, and checks that nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor.client import Client
+from supervisor.spawn import DaemonProcess
+
+REAP_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="session")
+def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One XDG cache for the session, so builtin models are made once."""
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture(autouse=True)
+def isolated_xdg(
+    tmp_path: Path, builtin_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Every test gets its own runtime/state/config dirs; no socket env leaks in."""
+    for var, sub in (
+        ("XDG_RUNTIME_DIR", "run"),
+        ("XDG_STATE_HOME", "state"),
+        ("XDG_CONFIG_HOME", "config"),
+    ):
+        path = tmp_path / "xdg" / sub
+        path.mkdir(parents=True)
+        monkeypatch.setenv(var, str(path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(builtin_cache))
+    monkeypatch.delenv("MLX_SUPERVISOR_SOCKET", raising=False)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """Fail a test that leaves a child process (runner or daemon) behind."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(leftovers, timeout=REAP_TIMEOUT_S)
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def write_config(path: Path, text: str) -> Path:
+    tomllib.loads(text)  # fail here, not in the daemon, on a typo in a test
+    path.write_text(text)
+    return path
+
+
+DaemonFactory = Callable[..., DaemonProcess]
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """Factory: start a daemon on a temp socket; at teardown stop it and check
+    that it exited 0, removed its socket and left no runner alive."""
+    started: list[tuple[DaemonProcess, set[int]]] = []
+
+    def start(config: str | None = None, **kwargs: Any) -> DaemonProcess:
+        index = len(started)
+        socket_path = tmp_path / f"d{index}.sock"
+        config_path = None
+        if config is not None:
+            config_path = write_config(tmp_path / f"d{index}.toml", config)
+        daemon = DaemonProcess(socket_path, config_path, **kwargs).start()
+        started.append((daemon, set()))
+        return daemon
+
+    yield start
+    for daemon, _ in started:
+        if daemon.process is None or daemon.process.poll() is not None:
+            continue
+        runners = psutil.Process(daemon.pid).children(recursive=True)
+        code = daemon.terminate(timeout_s=30)
+        assert code == 0, f"daemon exited with {code}"
+        _, alive = psutil.wait_procs(runners, timeout=REAP_TIMEOUT_S)
+        assert not alive, f"runners outlived their daemon: {[p.pid for p in alive]}"
+        assert not daemon.socket_path.exists(), "daemon left its socket behind"
+
+
+@pytest.fixture
+def daemon(start_daemon: DaemonFactory) -> DaemonProcess:
+    """A running daemon with the default config."""
+    return start_daemon()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Client:
+    return Client(daemon.socket_path)
+
+
+def runner_pids(daemon: DaemonProcess) -> list[int]:
+    """The daemon's live child processes."""
+    return [p.pid for p in psutil.Process(daemon.pid).children()]
+
+
+def assert_reaped(pid: int) -> None:
+    """``pid`` is gone: not running and not a zombie."""
+    try:
+        proc = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    status = proc.status()
+    raise AssertionError(f"pid {pid} still exists with status {status}")
+
+
+def env_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}

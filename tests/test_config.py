@@ -1,0 +1,84 @@
+"""The TOML config: defaults, the shipped file, and errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ConfigError, SupervisorConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_shipped_config_decodes_to_the_defaults() -> None:
+    assert load_config(CONFIGS / "mlx-supervisor.toml") == SupervisorConfig()
+
+
+def test_shipped_config_commented_model_table_is_valid(tmp_path: Path) -> None:
+    text = (CONFIGS / "mlx-supervisor.toml").read_text()
+    uncommented = text.replace("# [[models]]", "[[models]]")
+    for key in ("name", "model", "max_tokens", "preload", "env"):
+        uncommented = uncommented.replace(f"# {key} ", f"{key} ")
+    path = tmp_path / "c.toml"
+    path.write_text(uncommented)
+    (model,) = load_config(path).models
+    assert model.name == "qwen" and model.max_tokens == 4096
+    assert model.env == {"MLX_METAL_FAST_SYNCH": "1"}
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("shutdown_grace_s = 1.0\nshutdwon_grace = 2\n")
+    with pytest.raises(ConfigError, match="shutdwon_grace"):
+        load_config(path)
+    path.write_text('[[models]]\nname = "a"\nmodel = "builtin:tiny"\nmax_token = 3\n')
+    with pytest.raises(ConfigError, match="max_token"):
+        load_config(path)
+
+
+def test_wrong_type_and_bad_toml_are_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('term_grace_s = "soon"\n')
+    with pytest.raises(ConfigError, match="term_grace_s"):
+        load_config(path)
+    path.write_text("term_grace_s = \n")
+    with pytest.raises(ConfigError, match=str(path)):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_repeated_model_names_are_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    model = '[[models]]\nname = "a"\nmodel = "builtin:tiny"\n'
+    path.write_text(model + model)
+    with pytest.raises(ConfigError, match="repeated: a"):
+        load_config(path)
+
+
+def test_serve_with_bad_config_exits_1_with_the_reason(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("bogus = 1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(path),
+         "--socket", str(tmp_path / "s.sock")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "bogus" in result.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_service_print_renders_both_kinds(tmp_path: Path) -> None:
+    for kind in ("launchd", "systemd"):
+        result = subprocess.run(
+            [sys.executable, "-m", "supervisor", "service", "print", kind,
+             "--socket", str(tmp_path / "s.sock")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert str(tmp_path / "s.sock") in result.stdout
+        assert "serve" in result.stdout
