@@ -25,15 +25,18 @@ def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def isolated_xdg(
-    tmp_path: Path, builtin_cache: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path_factory: pytest.TempPathFactory,
+    builtin_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[None]:
     """Every test gets its own runtime/state/config dirs; no socket env leaks in."""
+    xdg = tmp_path_factory.mktemp("xdg")
     for var, sub in (
         ("XDG_RUNTIME_DIR", "run"),
         ("XDG_STATE_HOME", "state"),
         ("XDG_CONFIG_HOME", "config"),
     ):
-        path = tmp_path / "xdg" / sub
+        path = xdg / sub
         path.mkdir(parents=True)
         monkeypatch.setenv(var, str(path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(builtin_cache))

@@ -269,7 +269,7 @@ def test_stale_temp_dirs_are_removed(tmp_path: Path) -> None:
 
 
 def test_small_recipe_size() -> None:
-    """builtin:small is a few hundred MB of float16 weights (checked without writing it)."""
+    """builtin:small is a few hundred MB of bfloat16 weights (checked without writing it)."""
     n = builtin.param_count("builtin:small")
     assert 120e6 <= n <= 200e6
     assert 250e6 <= 2 * n <= 400e6
@@ -287,5 +287,5 @@ def test_small_builds_and_loads_strictly(tmp_path: Path) -> None:
     model, tokenizer = loaded[0], loaded[1]
     assert model.args.hidden_size == 1024
     logits = model(mx.array([[builtin.BOS_TOKEN_ID, *tokenizer.encode("hi")]]))
-    assert logits.dtype == mx.float16
+    assert logits.dtype == mx.bfloat16
     assert bool(mx.all(mx.isfinite(logits)).item())

@@ -373,7 +373,7 @@ def test_cli_exit_codes(tmp_path: Path, daemon: DaemonProcess) -> None:
 
 
 def test_runner_killed_mid_stream_ends_request_with_signal_name(client: Client) -> None:
-    victim = client.load("builtin:tiny", "victim")
+    victim = client.load("builtin:tiny", "victim", restart="never")
     client.load("builtin:tiny", "bystander")
     with client.generate("victim", PROMPT, max_tokens=100_000) as gen:
         next(gen)
@@ -387,8 +387,9 @@ def test_runner_killed_mid_stream_ends_request_with_signal_name(client: Client) 
     assert noticed_s < 1.0
     status = {r.name: r for r in client.status().runners}
     assert status["victim"].state == "crashed"
-    assert status["victim"].last_exit is not None
-    assert status["victim"].last_exit.signal == "SIGKILL"
+    last_exit = status["victim"].last_exit
+    assert last_exit is not None and last_exit.signal == "SIGKILL"
+    assert last_exit.signal_description == signal.strsignal(signal.SIGKILL)
     assert status["victim"].pid is None
     assert_reaped(victim.pid)
     _, done = client.generate_text("bystander", PROMPT, max_tokens=4)
@@ -396,6 +397,9 @@ def test_runner_killed_mid_stream_ends_request_with_signal_name(client: Client) 
     # A crashed model can be loaded again under its name.
     again = client.load("builtin:tiny", "victim")
     assert again.pid != victim.pid
+    with pytest.raises(ClientError) as excinfo:
+        client.load("builtin:tiny", "victim")
+    assert excinfo.value.code == "already_loaded"
 
 
 def test_daemon_sigterm_stops_all_runners_and_exits_zero(daemon: DaemonProcess) -> None:

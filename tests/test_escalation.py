@@ -65,6 +65,7 @@ def test_daemon_shutdown_escalates_runners_in_parallel(start_daemon: DaemonFacto
         r["event"]
         for r in map(daemon_record, daemon.log_lines)
         if r and r.get("event") in ("escalate_sigkill", "runner_reaped")
+        and r.get("model") in ("a", "b")
     ]
     assert kinds[:2] == ["escalate_sigkill", "escalate_sigkill"], kinds
 

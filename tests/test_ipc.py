@@ -57,7 +57,8 @@ def anyio_backend() -> str:
 
 
 def _open_fds() -> set[int]:
-    return {int(name) for name in os.listdir("/proc/self/fd")}
+    # filtered after listing: the fd listdir itself used is closed by then
+    return {fd for fd in map(int, os.listdir("/proc/self/fd")) if _is_open(fd)}
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +69,7 @@ def no_fd_leaks() -> Iterator[None]:
         return
     before = _open_fds()
     yield
-    # listdir's own fd is open while it lists, and gone afterwards
-    leaked = {fd for fd in _open_fds() - before if _is_open(fd)}
+    leaked = _open_fds() - before
     for fd in leaked:  # don't let one failure cascade into the next tests
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -106,6 +106,7 @@ class LoadRequest(msgspec.Struct, tag="load"):
     name: str | None = None
     max_tokens: int | None = None
     env: dict[str, str] = {}
+    restart: Literal["always", "on-failure", "never"] | None = None
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -141,11 +142,19 @@ ClientMessage = (
 
 
 class ExitInfo(msgspec.Struct):
-    """How a runner process ended. ``signal`` is a name such as ``SIGKILL``."""
+    """How a runner process ended.
+
+    ``signal`` is a name such as ``SIGKILL`` and ``signal_description`` its
+    ``strsignal`` text; ``cause`` is the runner's own last word (its exit
+    audit) or the supervisor's (a stall, a kill); ``stderr_tail`` holds the
+    last lines it wrote to stderr.
+    """
 
     code: int | None
     signal: str | None
     cause: str
+    signal_description: str | None = None
+    stderr_tail: list[str] = []
 
 
 class Loaded(msgspec.Struct, tag="loaded"):
@@ -191,12 +200,24 @@ class RunnerInfo(msgspec.Struct):
     last_exit: ExitInfo | None
     param_bytes: int | None = None
     queued: int = 0
+    next_restart_at: float | None = None  # wall-clock time of the next attempt
+    failure: str | None = None  # why it is failed (restart budget spent, ...)
+
+
+class SpareInfo(msgspec.Struct):
+    """The hot spare: a runner with mlx imported, waiting for a model."""
+
+    pid: int
+    warm: bool  # mlx and mlx_lm are imported
+    rss_bytes: int | None
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):
     supervisor: SupervisorInfo
     system: SystemInfo
     runners: list[RunnerInfo]
+    spare: SpareInfo | None = None
+    counters: dict[str, int] = {}  # restarts, retries, stalls killed, ... since start
 
 
 class ShutdownAck(msgspec.Struct, tag="shutdown_ack"):
@@ -267,6 +288,20 @@ RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown
 # --- runner -> supervisor ----------------------------------------------------
 
 
+class Started(msgspec.Struct, tag="started"):
+    """The runner has imported mlx and mlx_lm and waits for a LoadModel."""
+
+    import_s: float
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Progress from the runner's working loop (``phase`` is ``prefill``);
+    load progress and text chunks count as heartbeats too."""
+
+    phase: str
+    progress: int
+
+
 class Ready(msgspec.Struct, tag="ready"):
     """The model is loaded and evaluated; the runner takes requests."""
 
@@ -300,9 +335,11 @@ class ExitAudit(msgspec.Struct, tag="exit_audit"):
 
 
 RunnerEvent = (
-    LoadProgress
+    Started
+    | LoadProgress
     | Ready
     | LoadFailed
+    | Heartbeat
     | TextChunk
     | GenerationDone
     | GenerationFailed

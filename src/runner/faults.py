@@ -9,13 +9,22 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 - ``fail_load=MESSAGE``: raise an exception while loading.
 - ``crash_at_load=SIGNAL``: kill ourselves with SIGNAL before the weights.
 - ``crash_at_token=N:SIGNAL``: kill ourselves with SIGNAL at token N.
+- ``crash_random=P:SIGNAL``: at each token, with probability P, kill ourselves.
+- ``hang_at_token=N[:c]``: at token N stop making progress forever: a busy
+  Python loop, or with ``:c`` a blocking C call with SIGTERM masked (what a
+  hung ``mx.eval`` looks like: only SIGKILL ends it).
+- ``hang_random=P[:c]``: at each token, with probability P, hang as above.
+- ``hang_at_load[=c]``: hang before the weights are evaluated.
+- ``hang_when_idle[=c]``: hang right after Ready (pings go unanswered).
 - ``exit_in_handshake``: exit(1) before sending our Hello.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
+import time
 
 FAULTS_ENV = "MLX_SUPERVISOR_FAULTS"
 
@@ -50,6 +59,13 @@ class Faults:
             kill_self(self.arg("crash_at_load") or "SIGKILL")
         if "fail_load" in self:
             raise InjectedFault(self.arg("fail_load") or "injected load failure")
+        if "hang_at_load" in self:
+            hang(self.arg("hang_at_load"))
+
+    def when_idle(self) -> None:
+        """Apply the faults meant for an idle runner (called after Ready)."""
+        if "hang_when_idle" in self:
+            hang(self.arg("hang_when_idle"))
 
     def at_token(self, n: int) -> None:
         """Apply the per-token faults; ``n`` counts generated tokens from 1."""
@@ -57,6 +73,28 @@ class Faults:
             at, _, sig = self.arg("crash_at_token").partition(":")
             if n == int(at):
                 kill_self(sig or "SIGKILL")
+        if "crash_random" in self:
+            chance, _, sig = self.arg("crash_random").partition(":")
+            if random.random() < float(chance):
+                kill_self(sig or "SIGKILL")
+        if "hang_at_token" in self:
+            at, _, how = self.arg("hang_at_token").partition(":")
+            if n == int(at):
+                hang(how)
+        if "hang_random" in self:
+            chance, _, how = self.arg("hang_random").partition(":")
+            if random.random() < float(chance):
+                hang(how)
+
+
+def hang(how: str) -> None:
+    """Never return. ``how == "c"``: block in C with SIGTERM masked; else spin."""
+    if how == "c":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        while True:
+            time.sleep(3600)
+    while True:  # a busy loop that makes no progress; SIGTERM still works here
+        pass
 
 
 def kill_self(signal_name: str) -> None:

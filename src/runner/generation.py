@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from ipc.messages import FinishReason, Generate, GenerationDone, TextChunk
+from ipc.messages import FinishReason, Generate, GenerationDone, Heartbeat, TextChunk
 from runner.faults import Faults
 
 
@@ -32,10 +32,13 @@ def run_generation(
     *,
     max_tokens_cap: int | None,
     cancelled: threading.Event,
-    send: Callable[[TextChunk], None],
+    send: Callable[[TextChunk | Heartbeat], None],
     faults: Faults,
 ) -> GenerationDone:
     """Generate for ``request``, calling ``send`` for every token.
+
+    Prefill progress goes out as Heartbeats, so the supervisor's stall
+    watchdog can tell a long prompt from a hung one.
 
     Stops within one token of ``cancelled`` being set; the result then says
     ``finish_reason="cancelled"``.
@@ -56,8 +59,17 @@ def run_generation(
     ttft_s = 0.0
     response = None
     mx.reset_peak_memory()
+
+    def prefill_progress(processed: int, total: int) -> None:
+        send(Heartbeat("prefill", processed))
+
     for response in mlx_lm.stream_generate(
-        model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_progress_callback=prefill_progress,
     ):
         if response.generation_tokens == 1:
             ttft_s = time.perf_counter() - received

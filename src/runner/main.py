@@ -28,6 +28,7 @@ from ipc.messages import (
     ExitAudit,
     Generate,
     GenerationFailed,
+    Heartbeat,
     LoadFailed,
     LoadModel,
     LoadProgress,
@@ -36,6 +37,7 @@ from ipc.messages import (
     Ready,
     RunnerCommand,
     Shutdown,
+    Started,
     TextChunk,
 )
 from runner.faults import Faults
@@ -168,8 +170,8 @@ class Runner:
             self.current_request = request.request_id
             self.cancelled.clear()
 
-        def send(chunk: TextChunk) -> None:
-            self.channel.send(chunk)
+        def send(message: TextChunk | Heartbeat) -> None:
+            self.channel.send(message)
 
         try:
             if self.model is None:
@@ -247,7 +249,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
     started = time.perf_counter()
     import mlx_lm  # noqa: F401  (paid once here, before a LoadModel arrives)
 
-    log.info("runner_started", import_s=round(time.perf_counter() - started, 3))
+    import_s = time.perf_counter() - started
+    log.info("runner_started", import_s=round(import_s, 3))
+    channel.send(Started(import_s))
 
     cause = "unknown"
     code = 0

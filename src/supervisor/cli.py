@@ -150,7 +150,12 @@ def cmd_load(args: argparse.Namespace, client: Client) -> int:
     progress = ProgressPrinter()
     try:
         loaded = client.load(
-            args.model, args.name, max_tokens=args.max_tokens, env=env, on_progress=progress
+            args.model,
+            args.name,
+            max_tokens=args.max_tokens,
+            env=env,
+            restart=args.restart,
+            on_progress=progress,
         )
     finally:
         progress.finish()
@@ -268,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="Hugging Face repo id, local directory or builtin:tiny")
     p.add_argument("--name", help="name to use for it (default: derived from the model)")
     p.add_argument("--max-tokens", type=int, help="cap on max_tokens of every request")
+    p.add_argument("--restart", choices=["always", "on-failure", "never"],
+                   help="when to restart a dead runner (default: the daemon's)")  # fmt: skip
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the runner (repeatable)")  # fmt: skip
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
+import anyio
+
+from ipc import AsyncChannel, BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
     CancelRequest,
     ChatMessage,
@@ -42,6 +44,7 @@ from ipc.messages import (
     UnloadRequest,
 )
 from supervisor import __version__
+from supervisor.config import RestartStrategy
 from supervisor.paths import default_socket_path
 
 R = TypeVar("R")
@@ -125,6 +128,7 @@ class Client:
         *,
         max_tokens: int | None = None,
         env: dict[str, str] | None = None,
+        restart: RestartStrategy | None = None,
         on_progress: Callable[[LoadProgress], None] | None = None,
     ) -> Loaded:
         """Start a runner for ``model`` and wait until it is ready.
@@ -138,7 +142,7 @@ class Client:
             if on_progress is not None and isinstance(message, LoadProgress):
                 on_progress(message)
 
-        request = LoadRequest(model=model, name=name, max_tokens=max_tokens, env=env or {})
+        request = LoadRequest(model, name, max_tokens, env or {}, restart)
         return self._request(request, Loaded, progress)
 
     def unload(self, name: str) -> Unloaded:
@@ -161,15 +165,7 @@ class Client:
         seed: int | None = None,
     ) -> Generation:
         """Start a generation; iterate the result for text pieces."""
-        chat = None
-        if messages is not None:
-            chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
-        request = GenerateRequest(
-            name=name,
-            prompt=prompt,
-            messages=chat,
-            sampling=SamplingParams(max_tokens, temperature, top_p, seed),
-        )
+        request = generate_request(name, prompt, messages, max_tokens, temperature, top_p, seed)
         channel = self.connect()
         try:
             channel.send(request)
@@ -184,6 +180,23 @@ class Client:
             text = "".join(gen)
         assert gen.done is not None
         return text, gen.done
+
+
+def generate_request(
+    name: str,
+    prompt: str | None,
+    messages: list[ChatMessage] | list[dict[str, str]] | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> GenerateRequest:
+    """Build a GenerateRequest; chat turns may be dicts with role and content."""
+    chat = None
+    if messages is not None:
+        chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+    sampling = SamplingParams(max_tokens, temperature, top_p, seed)
+    return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling)
 
 
 class Generation:
@@ -236,6 +249,112 @@ class Generation:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class AsyncClient:
+    """The same client for anyio code (asyncio or trio).
+
+    Args:
+        socket_path: the daemon's socket; default as for :class:`Client`.
+    """
+
+    def __init__(self, socket_path: str | Path | None = None) -> None:
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+
+    async def connect(self) -> AsyncChannel[ServerMessage]:
+        """Open a connection and shake hands (raises like :meth:`Client.connect`)."""
+        try:
+            stream = await anyio.connect_unix(self.socket_path)
+        except OSError as exc:
+            raise DaemonUnreachable(
+                "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
+            ) from exc
+        channel: AsyncChannel[ServerMessage] = AsyncChannel(stream, Codec(ServerMessage))
+        try:
+            await channel.handshake("client", "supervisor", __version__)
+        except (ProtocolError, ChannelClosed) as exc:
+            await channel.aclose()
+            message = f"handshake with {self.socket_path} failed: {exc}"
+            raise ClientError("protocol", message) from exc
+        return channel
+
+    async def _request(
+        self,
+        request: ClientMessage,
+        expect: type[R],
+        on_message: Callable[[ServerMessage], None] | None = None,
+    ) -> R:
+        channel = await self.connect()
+        try:
+            await channel.send(request)
+            while True:
+                reply = await _arecv(channel)
+                if isinstance(reply, expect):
+                    return reply
+                if on_message is not None:
+                    on_message(reply)
+        finally:
+            await channel.aclose()
+
+    async def status(self) -> StatusReply:
+        return await self._request(StatusRequest(), StatusReply)
+
+    async def load(
+        self,
+        model: str,
+        name: str | None = None,
+        *,
+        max_tokens: int | None = None,
+        env: dict[str, str] | None = None,
+        restart: RestartStrategy | None = None,
+    ) -> Loaded:
+        request = LoadRequest(model, name, max_tokens, env or {}, restart)
+        return await self._request(request, Loaded)
+
+    async def unload(self, name: str) -> Unloaded:
+        return await self._request(UnloadRequest(name), Unloaded)
+
+    async def shutdown(self) -> ShutdownAck:
+        return await self._request(ShutdownRequest(), ShutdownAck)
+
+    async def generate(
+        self,
+        name: str,
+        prompt: str | None = None,
+        *,
+        messages: list[ChatMessage] | list[dict[str, str]] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> AsyncIterator[str]:
+        """Yield text pieces; cancelling the caller drops the connection, which
+        cancels the generation in the runner."""
+        request = generate_request(name, prompt, messages, max_tokens, temperature, top_p, seed)
+        channel = await self.connect()
+        try:
+            await channel.send(request)
+            while True:
+                message = await _arecv(channel)
+                if isinstance(message, GenerationDone):
+                    return
+                if isinstance(message, TextChunk):
+                    yield message.text
+        finally:
+            with anyio.CancelScope(shield=True):
+                await channel.aclose()
+
+
+async def _arecv(channel: AsyncChannel[ServerMessage]) -> ServerMessage:
+    try:
+        message = await channel.recv()
+    except ChannelClosed as exc:
+        raise ClientError("disconnected", "the daemon closed the connection") from exc
+    except ProtocolError as exc:
+        raise ClientError("protocol", str(exc)) from exc
+    if isinstance(message, ErrorReply):
+        raise ClientError(message.code, message.message)
+    return message
 
 
 def _recv(channel: BlockingChannel[ServerMessage]) -> ServerMessage:

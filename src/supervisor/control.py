@@ -150,6 +150,8 @@ class ControlServer:
             ),
             system=system_info(),
             runners=self.registry.status(),
+            spare=self.registry.spare.info(),
+            counters=dict(self.registry.counters),
         )
 
     async def _load(self, channel: AsyncChannel[ClientMessage], request: LoadRequest) -> None:

@@ -11,9 +11,16 @@ import anyio
 import structlog
 
 from supervisor import __version__
-from supervisor.config import SupervisorConfig
+from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.control import ControlServer, claim_socket
 from supervisor.registry import Registry, RequestError
+from supervisor.state import (
+    DaemonState,
+    RunnerRecord,
+    StateFile,
+    kill_leftover_runners,
+    state_path,
+)
 
 log = structlog.get_logger("supervisor.daemon")
 
@@ -34,6 +41,8 @@ class Daemon:
         self._exit = anyio.Event()
         self._stopped_runners = 0
         self.registry: Registry | None = None
+        self.state_file = StateFile(state_path(socket_path))
+        self._desired_models: list[ModelConfig] = []
 
     async def shutdown(self) -> int:
         """Stop every runner (escalating, in parallel); idempotent.
@@ -62,20 +71,25 @@ class Daemon:
         """
         listener = await claim_socket(self.socket_path)
         socket_inode = os.stat(self.socket_path).st_ino
+        previous = self.state_file.load()
+        killed = kill_leftover_runners(previous.runners)
+        if killed:
+            log.warning("predecessor_runners_killed", pids=killed, predecessor=previous.daemon_pid)
+        self._desired_models = list(previous.models)
         log.info(
             "daemon_started", pid=os.getpid(), version=__version__, socket=str(self.socket_path)
         )
         try:
             async with anyio.create_task_group() as tg:
-                self.registry = Registry(self.config, tg)
+                self.registry = Registry(self.config, tg, on_change=self._save_state)
+                self.registry.start_background()
+                for spec in self._models_at_start(previous):
+                    tg.start_soon(self._load_at_start, spec)
                 server = ControlServer(
                     self.registry, self.config, self.socket_path, self.shutdown, self._exit.set
                 )
                 tg.start_soon(self._watch_signals)
                 tg.start_soon(listener.serve, server.handle_connection)
-                for model in self.config.models:
-                    if model.preload:
-                        tg.start_soon(self._preload, model.name)
                 await self._exit.wait()
                 tg.cancel_scope.cancel()
         finally:
@@ -86,15 +100,42 @@ class Daemon:
                     self.socket_path.unlink()
             log.info("daemon_stopped", pid=os.getpid())
 
-    async def _preload(self, name: str) -> None:
+    def _models_at_start(self, previous: DaemonState) -> list[ModelConfig]:
+        """Models to load at start: the config's preloads, then (restore_on_start)
+        what the predecessor had loaded."""
+        wanted = {m.name: m for m in self.config.models if m.preload}
+        if self.config.restore_on_start:
+            for model in previous.models:
+                wanted.setdefault(model.name, model)
+        return list(wanted.values())
+
+    async def _load_at_start(self, spec: ModelConfig) -> None:
         assert self.registry is not None
-        model = self.config.model_config(name)
-        assert model is not None
         try:
-            await self.registry.load(model)
-            log.info("preloaded", model=name)
+            entry = self.registry.register(spec)
+            await self.registry.wait_loaded(entry)
+            log.info("loaded_at_start", model=spec.name)
         except RequestError as exc:
-            log.error("preload_failed", model=name, error=exc.message)
+            log.error("load_at_start_failed", model=spec.name, error=exc.message)
+
+    def _save_state(self) -> None:
+        """Persist our runners (for a successor's cleanup) and the desired models."""
+        registry = self.registry
+        assert registry is not None
+        if not registry.closing:  # a shutdown keeps the models for the next start
+            self._desired_models = [
+                entry.spec for entry in registry.entries.values() if entry.state != "stopping"
+            ]
+        runners = [
+            RunnerRecord(handle.spec.name, handle.pid, handle.create_time)
+            for handle in registry.live_handles
+            if handle.pid is not None and handle.create_time is not None
+        ]
+        state = DaemonState(os.getpid(), str(self.socket_path), runners, self._desired_models)
+        try:
+            self.state_file.save(state)
+        except OSError as exc:
+            log.error("state_save_failed", path=str(self.state_file.path), error=str(exc))
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

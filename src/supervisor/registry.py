@@ -1,9 +1,10 @@
-"""All loaded models, their runners and states, and the requests they serve.
+"""All supervised models, their runners and states, and the requests they serve.
 
-Each model has a :class:`ModelEntry`; its runner's tasks live in a task group
-owned by the entry's supervising task, inside the registry's task group.
-Requests to one model run one at a time, in arrival order (a fair lock);
-different models serve in parallel.
+Each model has a :class:`ModelEntry` and a supervising task (in the
+registry's task group) that owns its runners one after another: start (from
+the hot spare when it can), load, serve, and when the runner dies on its own,
+restart per the model's restart strategy and intensity. Requests to one model
+run one at a time, in arrival order (a fair lock); models serve in parallel.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
 import anyio
 import structlog
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from ipc import ChannelClosed
 from ipc.messages import Cancel as CancelCommand
@@ -40,7 +42,9 @@ from ipc.messages import (
     Unloaded,
 )
 from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
+from supervisor.spare import HotSpare
 from supervisor.system import process_rss
 
 log = structlog.get_logger("supervisor.registry")
@@ -51,11 +55,14 @@ ALLOWED_MOVES: dict[RunnerState, set[RunnerState]] = {
     "loading": {"ready", "crashed", "stopping"},
     "ready": {"busy", "crashed", "stopping"},
     "busy": {"ready", "crashed", "stopping"},
-    "stopping": set(),
-    "crashed": {"stopping", "restarting"},
-    "restarting": {"starting", "stopping", "failed"},
+    "crashed": {"restarting", "failed", "stopping"},
+    "restarting": {"starting", "stopping"},
     "failed": {"stopping"},
+    "stopping": set(),
 }
+
+Emit = Callable[[TextChunk | GenerationDone], Awaitable[None]]
+ProgressListener = Callable[[LoadProgress], Awaitable[None]]
 
 
 class RequestError(Exception):
@@ -79,20 +86,23 @@ class ModelEntry:
     """One model: its settings, its current runner and what has happened to it."""
 
     spec: ModelConfig
+    tracker: RestartTracker
     state: RunnerState = "starting"
     handle: RunnerHandle | None = None
     restarts: int = 0
     last_exit: ExitInfo | None = None
+    failure: str | None = None
+    next_restart_at: float | None = None
     param_bytes: int | None = None
     queued: int = 0
     request_lock: anyio.Lock = field(default_factory=anyio.Lock)
-    loaded: anyio.Event = field(default_factory=anyio.Event)
-    stopped: anyio.Event = field(default_factory=anyio.Event)
+    loaded: anyio.Event = field(default_factory=anyio.Event)  # first load decided
+    stop_requested: anyio.Event = field(default_factory=anyio.Event)
+    stopped: anyio.Event = field(default_factory=anyio.Event)  # supervising task ended
+    state_changed: anyio.Event = field(default_factory=anyio.Event)
     load_result: Loaded | None = None
     load_error: str | None = None
-    progress_listeners: list[Callable[[LoadProgress], Awaitable[None]]] = field(
-        default_factory=list
-    )
+    progress_listeners: list[ProgressListener] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -100,16 +110,35 @@ class ModelEntry:
 
     def move(self, new: RunnerState) -> None:
         """Change state, refusing moves the lifecycle does not allow."""
-        if new != self.state and new not in ALLOWED_MOVES[self.state]:
+        if new == self.state:
+            return
+        if new not in ALLOWED_MOVES[self.state]:
             raise RuntimeError(f"{self.name}: illegal state move {self.state} -> {new}")
-        if new != self.state:
-            log.debug("state", model=self.name, old=self.state, new=new)
-            self.state = new
+        log.info("model_state", model=self.name, old=self.state, new=new)
+        self.state = new
+        self.state_changed.set()
+        self.state_changed = anyio.Event()
 
     def request_finished(self) -> None:
         """Back to ready after a request, unless the runner died or is stopping."""
         if self.state == "busy":
             self.move("ready")
+
+    async def wait_ready(self) -> RunnerHandle:
+        """The runner once the model is ready (waiting through loads and restarts).
+
+        Raises:
+            RequestError: the model is crashed, failed or being unloaded.
+        """
+        while True:
+            if self.state == "ready" and self.handle is not None:
+                return self.handle
+            if self.state in ("crashed", "failed", "stopping"):
+                why = self.failure or (self.last_exit.cause if self.last_exit else None)
+                detail = f": {why}" if why else ""
+                code: ErrorCode = "not_ready" if self.state == "stopping" else "runner_died"
+                raise RequestError(code, f"{self.name} is {self.state}{detail}")
+            await self.state_changed.wait()
 
     def info(self) -> RunnerInfo:
         handle = self.handle
@@ -125,6 +154,8 @@ class ModelEntry:
             last_exit=self.last_exit,
             param_bytes=self.param_bytes,
             queued=self.queued,
+            next_restart_at=self.next_restart_at,
+            failure=self.failure,
         )
 
 
@@ -133,15 +164,30 @@ class Registry:
 
     Args:
         config: the daemon config.
-        task_group: where each model's supervising task runs.
+        task_group: where supervising tasks and runner processes live.
+        on_change: called after any change worth persisting (runners, models).
     """
 
-    def __init__(self, config: SupervisorConfig, task_group: TaskGroup) -> None:
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        task_group: TaskGroup,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
         self.task_group = task_group
+        self.on_change = on_change
         self.entries: dict[str, ModelEntry] = {}
         self.closing = False
+        self.counters: Counter[str] = Counter()
+        self.spare = HotSpare(config, self.spawn)
+        self.live_handles: set[RunnerHandle] = set()
         self._request_ids = itertools.count(1)
+
+    def start_background(self) -> None:
+        """Start the registry's own background work (the hot spare)."""
+        if self.config.hot_spare:
+            self.task_group.start_soon(self.spare.keep, name="hot spare")
 
     def get(self, name: str) -> ModelEntry:
         """The entry called ``name``. Raises RequestError(unknown_model)."""
@@ -154,6 +200,44 @@ class Registry:
     def status(self) -> list[RunnerInfo]:
         return [entry.info() for entry in list(self.entries.values())]
 
+    # --- runner processes ----------------------------------------------------
+
+    async def spawn(self, handle: RunnerHandle) -> None:
+        """Start ``handle``'s process in a task that owns it until it is reaped.
+
+        Raises:
+            RunnerStartError: it failed to start or to shake hands.
+        """
+        error: RunnerStartError | None = await self.task_group.start(self._own_process, handle)
+        if error is not None:
+            raise error
+
+    async def _own_process(
+        self, handle: RunnerHandle, *, task_status: TaskStatus[RunnerStartError | None]
+    ) -> None:
+        async with anyio.create_task_group() as runner_tasks:
+            try:
+                await handle.start(runner_tasks)
+            except RunnerStartError as exc:
+                task_status.started(exc)
+                return
+            self.live_handles.add(handle)
+            self.on_change()
+            task_status.started(None)
+            await handle.exited.wait()
+        self.live_handles.discard(handle)
+        self.on_change()
+
+    async def _obtain_runner(self, spec: ModelConfig) -> RunnerHandle:
+        """A runner for ``spec``: the hot spare if it fits, else a new process."""
+        spare = self.spare.take(spec)
+        if spare is not None:
+            self.counters["spare_used"] += 1
+            return spare
+        handle = RunnerHandle(spec, self.config)
+        await self.spawn(handle)
+        return handle
+
     # --- load ----------------------------------------------------------------
 
     def spec_for(self, request: LoadRequest) -> ModelConfig:
@@ -162,18 +246,32 @@ class Registry:
         configured = self.config.model_config(name)
         env = {**(configured.env if configured else {}), **request.env}
         max_tokens = request.max_tokens or (configured.max_tokens if configured else None)
-        return ModelConfig(name=name, model=request.model, max_tokens=max_tokens, env=env)
+        restart = request.restart or (configured.restart if configured else None)
+        return ModelConfig(
+            name=name, model=request.model, max_tokens=max_tokens, env=env, restart=restart
+        )
 
-    async def load(
-        self,
-        spec: ModelConfig,
-        on_progress: Callable[[LoadProgress], Awaitable[None]] | None = None,
-    ) -> Loaded:
-        """Start a runner for ``spec`` and wait until its model is ready.
+    async def load(self, spec: ModelConfig, on_progress: ProgressListener | None = None) -> Loaded:
+        """Start supervising ``spec`` and wait until its model is ready.
 
         Raises:
             RequestError: the name is taken by a live model, the daemon is
-                closing, or the load failed (the message says why).
+                closing, or the first load failed (the message says why; a
+                model whose first load fails is not restarted).
+        """
+        old = self.entries.get(spec.name)
+        if old is not None and old.state in ("crashed", "failed"):
+            await self.unload(spec.name, reason="replaced by a new load")
+        entry = self.register(spec, on_progress)
+        return await self.wait_loaded(entry)
+
+    def register(
+        self, spec: ModelConfig, on_progress: ProgressListener | None = None
+    ) -> ModelEntry:
+        """Add ``spec`` and start its supervising task; returns at once.
+
+        Raises:
+            RequestError: bad name, name taken, or the daemon is closing.
         """
         if self.closing:
             raise RequestError("shutting_down", "the daemon is shutting down")
@@ -181,43 +279,89 @@ class Registry:
             raise RequestError("bad_request", f"invalid model name {spec.name!r}")
         old = self.entries.get(spec.name)
         if old is not None:
-            if old.state not in ("crashed", "failed"):
-                raise RequestError("already_loaded", f"{spec.name} is already loaded ({old.state})")
-            await self.unload(spec.name)
-        entry = ModelEntry(spec=spec)
+            raise RequestError("already_loaded", f"{spec.name} is already loaded ({old.state})")
+        intensity = RestartIntensity(
+            max_restarts=self.config.max_restarts,
+            window_s=self.config.restart_window_s,
+            backoff_s=self.config.restart_backoff_s,
+            backoff_cap_s=self.config.restart_backoff_cap_s,
+        )
+        entry = ModelEntry(spec, RestartTracker(spec.restart or self.config.restart, intensity))
         if on_progress is not None:
             entry.progress_listeners.append(on_progress)
         self.entries[spec.name] = entry
         self.task_group.start_soon(self._supervise, entry, name=f"supervise {spec.name}")
+        return entry
+
+    async def wait_loaded(self, entry: ModelEntry) -> Loaded:
+        """Wait for the entry's first load. Raises RequestError(load_failed)."""
         await entry.loaded.wait()
         if entry.load_result is None:
-            if self.entries.get(spec.name) is entry:
-                del self.entries[spec.name]
+            if self.entries.get(entry.name) is entry:
+                del self.entries[entry.name]
+                self.on_change()
             raise RequestError("load_failed", entry.load_error or "load failed")
+        self.on_change()
         return entry.load_result
 
     async def _supervise(self, entry: ModelEntry) -> None:
-        """Own one runner from spawn to reap; record how it ended."""
-        handle = RunnerHandle(entry.spec, self.config)
-        entry.handle = handle
+        """Own the model's runners, one after another, until it is unloaded or
+        its restarts are exhausted."""
         try:
-            async with anyio.create_task_group() as runner_tasks:
-                try:
-                    await handle.start(runner_tasks)
-                    entry.move("loading")
-                    await self._load_model(entry, handle)
-                except RunnerStartError as exc:
-                    entry.load_error = str(exc)
-                except RunnerGone as gone:
-                    entry.load_error = entry.load_error or f"runner died while loading: {gone}"
-                finally:
-                    entry.loaded.set()
-                await handle.exited.wait()
-        finally:
-            entry.last_exit = handle.exit_info
-            if entry.state != "stopping":
+            while True:
+                exit_info = await self._run_runner(entry)
+                entry.last_exit = exit_info
+                if entry.stop_requested.is_set():
+                    return
                 entry.move("crashed")
+                if not entry.loaded.is_set():
+                    return  # the first load failed: the client hears why; no restarts
+                decision = entry.tracker.decide(exit_info, time.monotonic())
+                if decision.delay_s is None:
+                    log.error("restart_refused", model=entry.name, reason=decision.reason)
+                    if decision.budget_spent:
+                        entry.failure = decision.reason
+                        entry.move("failed")
+                        self.counters["failed"] += 1
+                    return
+                log.warning("restart_scheduled", model=entry.name, reason=decision.reason)
+                entry.next_restart_at = time.time() + decision.delay_s
+                entry.move("restarting")
+                with anyio.move_on_after(decision.delay_s):  # the backoff, cut short by unload
+                    await entry.stop_requested.wait()
+                entry.next_restart_at = None
+                if entry.stop_requested.is_set():
+                    return
+                entry.restarts += 1
+                self.counters["restarts"] += 1
+                entry.move("starting")
+        finally:
+            entry.loaded.set()
             entry.stopped.set()
+
+    async def _run_runner(self, entry: ModelEntry) -> ExitInfo:
+        """Start a runner for the entry, load the model, and wait for its end."""
+        try:
+            handle = await self._obtain_runner(entry.spec)
+        except RunnerStartError as exc:
+            entry.load_error = str(exc)
+            return ExitInfo(code=None, signal=None, cause=str(exc))
+        entry.handle = handle
+        if entry.stop_requested.is_set():  # unloaded while we were starting it
+            await handle.escalate_shutdown("unload")
+        else:
+            try:
+                entry.move("loading")
+                await self._load_model(entry, handle)
+            except RunnerGone:
+                pass
+        await handle.exited.wait()
+        assert handle.exit_info is not None
+        if not entry.loaded.is_set():
+            entry.load_error = (
+                entry.load_error or f"runner died while loading: {handle.exit_info.cause}"
+            )
+        return handle.exit_info
 
     async def _load_model(self, entry: ModelEntry, handle: RunnerHandle) -> None:
         spec = entry.spec
@@ -244,6 +388,9 @@ class Registry:
                 entry.progress_listeners.clear()
                 if entry.state == "loading":
                     entry.move("ready")
+                    log.info("model_ready", model=spec.name, runner_pid=handle.pid,
+                             restarts=entry.restarts)  # fmt: skip
+                entry.loaded.set()
                 return
             elif isinstance(event, LoadFailed):
                 entry.load_error = event.error
@@ -252,51 +399,86 @@ class Registry:
 
     # --- generate ------------------------------------------------------------
 
-    async def generate(
-        self,
-        request: GenerateRequest,
-        emit: Callable[[TextChunk | GenerationDone], Awaitable[None]],
-        cancel: anyio.Event,
-    ) -> None:
+    async def generate(self, request: GenerateRequest, emit: Emit, cancel: anyio.Event) -> None:
         """Run one generation on the named model, passing each frame to ``emit``.
 
-        Waits its turn behind earlier requests to the same model. Setting
-        ``cancel`` stops it within a few tokens. If ``emit`` fails (the client
-        vanished) the generation is cancelled and drained, so the runner is
-        clean for the next request.
+        Waits its turn behind earlier requests to the same model, and through
+        a load or restart, up to ``queue_timeout_s``. Setting ``cancel`` stops
+        it within a few tokens. If the runner dies before the first token the
+        request is retried once on the restarted runner (``retry_unstarted``);
+        after that it fails with the cause. If ``emit`` fails (the client
+        vanished) the generation is cancelled and drained.
 
         Raises:
-            RequestError: unknown model, not ready, runner died, or failed.
+            RequestError: unknown model, timed out, runner died, or failed.
         """
         if (request.prompt is None) == (request.messages is None):
             raise RequestError("bad_request", "give exactly one of prompt and messages")
         if request.sampling.max_tokens < 1:
             raise RequestError("bad_request", "max_tokens must be at least 1")
         entry = self.get(request.name)
-        entry.queued += 1
-        try:
-            await entry.request_lock.acquire()
-        finally:
-            entry.queued -= 1
-        try:
-            await self._generate_locked(entry, request, emit, cancel)
-        finally:
-            entry.request_lock.release()
+        streamed = [False]
+        for attempt in (1, 2):
+            try:
+                await self._generate_once(entry, request, emit, cancel, streamed)
+                return
+            except RunnerGone as gone:
+                can_retry = (
+                    attempt == 1
+                    and self.config.retry_unstarted
+                    and not streamed[0]
+                    and not cancel.is_set()
+                )
+                if not can_retry:
+                    self.counters["requests_failed_runner_died"] += 1
+                    raise RequestError(
+                        "runner_died",
+                        f"runner of {entry.name} died mid-request: {gone.exit.cause}",
+                    ) from None
+                self.counters["requests_retried"] += 1
+                log.warning("request_retried", model=entry.name, cause=gone.exit.cause)
 
-    async def _generate_locked(
+    async def _generate_once(
         self,
         entry: ModelEntry,
         request: GenerateRequest,
-        emit: Callable[[TextChunk | GenerationDone], Awaitable[None]],
+        emit: Emit,
         cancel: anyio.Event,
+        streamed: list[bool],
     ) -> None:
-        handle = entry.handle
-        if entry.state != "ready" or handle is None:
-            if entry.state in ("crashed", "failed") and entry.last_exit is not None:
-                raise RequestError(
-                    "runner_died", f"{entry.name} is {entry.state}: {entry.last_exit.cause}"
-                )
-            raise RequestError("not_ready", f"{entry.name} is {entry.state}")
+        deadline = anyio.current_time() + self.config.queue_timeout_s
+        entry.queued += 1
+        try:
+            with anyio.move_on_after(self.config.queue_timeout_s) as waiting:
+                await entry.request_lock.acquire()
+        finally:
+            entry.queued -= 1
+        if waiting.cancelled_caught:
+            raise RequestError("not_ready", self._timeout_message(entry))
+        try:
+            with anyio.move_on_at(deadline) as waiting:
+                handle = await entry.wait_ready()
+            if waiting.cancelled_caught:
+                raise RequestError("not_ready", self._timeout_message(entry))
+            await self._run_request(entry, handle, request, emit, cancel, streamed)
+        finally:
+            entry.request_lock.release()
+
+    def _timeout_message(self, entry: ModelEntry) -> str:
+        return (
+            f"timed out after {self.config.queue_timeout_s:g}s waiting for {entry.name} "
+            f"({entry.state})"
+        )
+
+    async def _run_request(
+        self,
+        entry: ModelEntry,
+        handle: RunnerHandle,
+        request: GenerateRequest,
+        emit: Emit,
+        cancel: anyio.Event,
+        streamed: list[bool],
+    ) -> None:
         request_id = next(self._request_ids)
         entry.move("busy")
         failure: RunnerGone | RequestError | None = None
@@ -310,17 +492,13 @@ class Registry:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(forward_cancel)
                 try:
-                    await self._stream(entry, handle, request, request_id, emit, cancel)
+                    await self._stream(entry, handle, request, request_id, emit, cancel, streamed)
                 except (RunnerGone, RequestError) as exc:
                     failure = exc
                 finally:
                     tg.cancel_scope.cancel()
         finally:
             entry.request_finished()
-        if isinstance(failure, RunnerGone):
-            raise RequestError(
-                "runner_died", f"runner of {entry.name} died mid-request: {failure.exit.cause}"
-            )
         if failure is not None:
             raise failure
 
@@ -330,8 +508,9 @@ class Registry:
         handle: RunnerHandle,
         request: GenerateRequest,
         request_id: int,
-        emit: Callable[[TextChunk | GenerationDone], Awaitable[None]],
+        emit: Emit,
         cancel: anyio.Event,
+        streamed: list[bool],
     ) -> None:
         """Send the request and pass its frames on until it is done."""
         await handle.send(Generate(request_id, request.prompt, request.messages, request.sampling))
@@ -341,6 +520,7 @@ class Registry:
             if isinstance(event, TextChunk | GenerationDone):
                 if event.request_id != request_id:
                     continue  # a late frame of an earlier, abandoned request
+                streamed[0] = True
                 if not client_gone:
                     try:
                         await emit(event)
@@ -358,41 +538,36 @@ class Registry:
     async def unload(self, name: str, reason: str = "unload") -> Unloaded:
         """Stop the named model's runner (escalating) and forget the model.
 
+        Works in every state: a restart waiting in backoff is called off.
+
         Raises:
             RequestError: no such model.
         """
         entry = self.get(name)
-        handle = entry.handle
         started = time.perf_counter()
-        if entry.state != "stopping":
-            entry.move("stopping")
+        entry.stop_requested.set()
+        entry.move("stopping")
+        handle = entry.handle
         steps: list[str] = []
-        if handle is not None:
+        if handle is not None and handle.alive:
             steps = await handle.escalate_shutdown(reason)
-            await entry.stopped.wait()
+        await entry.stopped.wait()
         if self.entries.get(name) is entry:
             del self.entries[name]
+        self.on_change()
         last_exit = entry.last_exit or ExitInfo(code=None, signal=None, cause="never started")
-        log.info(
-            "model_unloaded",
-            model=name,
-            runner_pid=handle.pid if handle else None,
-            steps=steps,
-            elapsed_s=round(time.perf_counter() - started, 3),
-        )
-        return Unloaded(
-            name=name,
-            pid=(handle.pid or 0) if handle else 0,
-            steps=steps,
-            elapsed_s=time.perf_counter() - started,
-            exit=last_exit,
-        )
+        pid = handle.pid if handle is not None and handle.pid is not None else 0
+        elapsed_s = time.perf_counter() - started
+        log.info("model_unloaded", model=name, runner_pid=pid, steps=steps,
+                 elapsed_s=round(elapsed_s, 3))  # fmt: skip
+        return Unloaded(name=name, pid=pid, steps=steps, elapsed_s=elapsed_s, exit=last_exit)
 
     async def shutdown(self) -> int:
-        """Unload every model in parallel. Returns how many there were."""
+        """Unload every model and stop the spare, in parallel. Returns the model count."""
         self.closing = True
         names = list(self.entries)
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self.spare.stop)
             for name in names:
                 tg.start_soon(self._unload_quietly, name)
         return len(names)

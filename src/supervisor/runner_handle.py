@@ -23,9 +23,27 @@ import structlog
 from anyio.abc import ByteReceiveStream, Process, TaskGroup
 
 from ipc import AsyncChannel, ChannelClosed, Codec, FdStream, ProtocolError
-from ipc.messages import ExitAudit, ExitInfo, Pong, RunnerCommand, RunnerEvent, Shutdown
+from ipc.messages import (
+    ExitAudit,
+    ExitInfo,
+    Generate,
+    GenerationDone,
+    GenerationFailed,
+    Heartbeat,
+    LoadModel,
+    LoadProgress,
+    Ping,
+    Pong,
+    Ready,
+    RunnerCommand,
+    RunnerEvent,
+    Shutdown,
+    Started,
+    TextChunk,
+)
 from supervisor import __version__
 from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.state import process_create_time
 
 _LEVELS = {"debug", "info", "warning", "error", "critical"}
 
@@ -42,17 +60,36 @@ class RunnerStartError(Exception):
     """The runner could not be started or failed its handshake."""
 
 
-def describe_exit(returncode: int, audit: ExitAudit | None, stderr_tail: list[str]) -> ExitInfo:
-    """Build the ExitInfo for a reaped runner from its return code and last words."""
+def describe_exit(
+    returncode: int,
+    audit: ExitAudit | None,
+    stderr_tail: list[str],
+    kill_cause: str | None = None,
+) -> ExitInfo:
+    """Build the ExitInfo of a reaped runner from its return code and last words.
+
+    ``kill_cause`` is the supervisor's reason for killing it (a stall), which
+    wins over the runner's own account.
+    """
+    tail = list(stderr_tail)
     if returncode < 0:
-        name = signal.Signals(-returncode).name
-        return ExitInfo(code=None, signal=name, cause=f"killed by {name}")
-    if audit is not None:
-        return ExitInfo(code=returncode, signal=None, cause=audit.cause)
-    cause = f"exited with code {returncode}"
-    if returncode != 0 and stderr_tail:
-        cause += f": {stderr_tail[-1][:200]}"
-    return ExitInfo(code=returncode, signal=None, cause=cause)
+        signum = signal.Signals(-returncode)
+        name = signum.name
+        cause = f"killed by {name}"
+        if kill_cause:
+            cause = f"{kill_cause} (killed by {name})"
+        elif audit is not None:
+            cause = f"{audit.cause} (then killed by {name})"
+        return ExitInfo(None, name, cause, signal.strsignal(signum), tail)
+    if kill_cause:
+        cause = f"{kill_cause} (exited with code {returncode})"
+    elif audit is not None:
+        cause = audit.cause
+    else:
+        cause = f"exited with code {returncode}"
+        if returncode != 0 and tail:
+            cause += f": {tail[-1][:200]}"
+    return ExitInfo(returncode, None, cause, None, tail)
 
 
 class RunnerHandle:
@@ -73,6 +110,18 @@ class RunnerHandle:
         self.exit_info: ExitInfo | None = None
         self.audit: ExitAudit | None = None
         self.stop_requested = False
+        self.create_time: float | None = None
+        self.warm = anyio.Event()  # mlx and mlx_lm imported (Started received)
+        self.ready = anyio.Event()  # a model is loaded (Ready received)
+        self.claimed = anyio.Event()  # a spare was handed a model
+        self.kill_cause: str | None = None
+        # The stall watchdog's view: what the runner is doing and when it last
+        # showed progress. Phases: starting, loading, idle, prefill, decode.
+        self.phase = "starting"
+        self.progress = 0
+        self.last_progress_at = time.monotonic()
+        self._progress_event = anyio.Event()
+        self._ping_seq = 0
         self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
             max_buffer_size=math.inf
@@ -123,6 +172,7 @@ class RunnerHandle:
                 os.close(command_r)
                 os.close(event_w)
         self.started_at = time.time()
+        self.create_time = process_create_time(self.process.pid)
         self.log = self.log.bind(runner_pid=self.process.pid)
         self.log.info("runner_spawned", argv=argv[1:3])
         self.channel = AsyncChannel(
@@ -144,6 +194,15 @@ class RunnerHandle:
             detail = f" ({exit_info.cause})" if exit_info is not None else ""
             raise RunnerStartError(f"runner handshake failed: {reason}{detail}") from exc
         task_group.start_soon(self._pump_events)
+        task_group.start_soon(self._watch_stalls)
+        task_group.start_soon(self._ping_when_idle)
+
+    def adopt(self, spec: ModelConfig) -> None:
+        """Hand this (spare) runner to the model ``spec``."""
+        self.spec = spec
+        self.log = self.log.bind(model=spec.name)
+        self.log.info("spare_adopted")
+        self.claimed.set()
 
     # --- watching ------------------------------------------------------------
 
@@ -156,7 +215,9 @@ class RunnerHandle:
                 with anyio.CancelScope(shield=True):
                     self.signal(signal.SIGKILL)
                     await self.process.wait()
-        self.exit_info = describe_exit(returncode, self.audit, list(self.stderr_tail))
+        self.exit_info = describe_exit(
+            returncode, self.audit, list(self.stderr_tail), self.kill_cause
+        )
         level = "info" if self.stop_requested else "warning"
         getattr(self.log, level)(
             "runner_exited",
@@ -180,6 +241,7 @@ class RunnerHandle:
                     self.log.error("runner_protocol_error", error=str(exc), action="kill")
                     self.signal(signal.SIGKILL)
                     break
+                self._track_progress(event)
                 if isinstance(event, ExitAudit):
                     self.audit = event
                     self.log.info(
@@ -188,7 +250,9 @@ class RunnerHandle:
                         active_bytes=event.active_bytes,
                         peak_bytes=event.peak_bytes,
                     )
-                elif not isinstance(event, Pong):
+                elif isinstance(event, Started):
+                    self.warm.set()
+                elif not isinstance(event, Pong | Heartbeat):
                     self._events_in.send_nowait(event)
             await self.exited.wait()  # so RunnerGone can carry the exit status
         finally:
@@ -227,6 +291,87 @@ class RunnerHandle:
         else:
             self.log.info("runner_output", stream=source, line=text)
 
+    # --- the stall watchdog --------------------------------------------------
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._note_progress()
+
+    def _note_progress(self) -> None:
+        self.progress += 1
+        self.last_progress_at = time.monotonic()
+        self._progress_event.set()
+
+    def _track_progress(self, event: RunnerEvent) -> None:
+        """Every event is progress; some also move the phase."""
+        if isinstance(event, Started) and self.phase == "starting":
+            self._set_phase("idle")
+        elif isinstance(event, Ready | GenerationDone | GenerationFailed):
+            self._set_phase("idle")
+            if isinstance(event, Ready):
+                self.ready.set()
+        elif isinstance(event, TextChunk) and self.phase == "prefill":
+            self._set_phase("decode")
+        elif isinstance(event, LoadProgress | Heartbeat | TextChunk | Pong):
+            self._note_progress()
+
+    def stall_timeout_s(self) -> float:
+        """How long the current phase may go without progress."""
+        config = self.config
+        return {
+            "starting": config.load_stall_s,
+            "loading": config.load_stall_s,
+            "idle": config.ping_timeout_s,
+            "prefill": config.prefill_stall_s,
+            "decode": config.decode_stall_s,
+        }[self.phase]
+
+    async def _watch_stalls(self) -> None:
+        """Kill the runner when its phase goes without progress for too long."""
+        while not self.exited.is_set():
+            self._progress_event = anyio.Event()
+            timeout = self.stall_timeout_s()
+            with anyio.move_on_after(timeout) as waiting:
+                await self._progress_event.wait()
+            if not waiting.cancelled_caught:
+                continue
+            if self.exited.is_set() or self.stop_requested:
+                return
+            await self.kill_stalled(f"stalled in {self.phase}: no progress for {timeout:g}s")
+            return
+
+    async def kill_stalled(self, reason: str) -> None:
+        """Kill a hung runner from the outside: SIGTERM, a short grace, SIGKILL.
+
+        A hung ``mx.eval`` cannot be interrupted from inside; SIGKILL always works.
+        """
+        self.kill_cause = reason
+        self.log.error(
+            "runner_stalled",
+            reason=reason,
+            phase=self.phase,
+            progress=self.progress,
+            since_progress_s=round(time.monotonic() - self.last_progress_at, 3),
+        )
+        self.signal(signal.SIGTERM)
+        with anyio.move_on_after(self.config.stall_kill_grace_s):
+            await self.exited.wait()
+        if not self.exited.is_set():
+            self.log.warning("stall_sigkill", grace_s=self.config.stall_kill_grace_s)
+            self.signal(signal.SIGKILL)
+            await self.exited.wait()
+
+    async def _ping_when_idle(self) -> None:
+        """Ping an idle runner so a hang between requests is noticed too."""
+        while not self.exited.is_set():
+            await anyio.sleep(self.config.ping_interval_s)  # the ping period itself
+            if self.phase == "idle" and not self.stop_requested and self.channel is not None:
+                self._ping_seq += 1
+                try:
+                    await self.channel.send(Ping(self._ping_seq))
+                except ChannelClosed:
+                    return
+
     # --- talking -------------------------------------------------------------
 
     async def send(self, command: RunnerCommand) -> None:
@@ -236,6 +381,10 @@ class RunnerHandle:
             RunnerGone: the runner has exited (or its pipe is closed).
         """
         assert self.channel is not None
+        if isinstance(command, LoadModel):
+            self._set_phase("loading")
+        elif isinstance(command, Generate):
+            self._set_phase("prefill")
         try:
             await self.channel.send(command)
         except ChannelClosed:

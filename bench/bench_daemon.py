@@ -1,0 +1,1050 @@
+"""What the daemon costs compared with plain in-process mlx-lm, measured side by side.
+
+Usage::
+
+    python bench/bench_daemon.py [--model builtin:small] [--quick] [--out bench/results/daemon.json]
+
+One run starts a private daemon (on a socket in a temp dir) and a plain python
+worker (``bench/inproc_worker.py``) and measures, alternating between the two
+sides and never running both models at once:
+
+1. decode tokens/s through the daemon / in-process ``mlx_lm.stream_generate``;
+2. time to first token through the daemon - in-process (the two IPC hops);
+3. load-to-ready through the daemon / a fresh ``python -c "mlx_lm.load(...)"``;
+4. the share of memory given back to the system when a model is unloaded,
+   beside ``del model; gc.collect(); mx.clear_cache()`` in a python process.
+
+The machine is shared and noisy, so every figure is a ratio or a difference of
+things measured in this same run. It prints a table and writes the JSON
+(machine info, settings, every raw sample). See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+import supervisor
+from runner.builtin import ensure_builtin_model, is_builtin
+from supervisor.client import Client
+from supervisor.config import SupervisorConfig
+from supervisor.spawn import DaemonProcess
+
+BENCH_DIR = Path(__file__).resolve().parent
+WORKER_SCRIPT = BENCH_DIR / "inproc_worker.py"
+DEFAULT_OUT = BENCH_DIR / "results" / "daemon.json"
+
+IPC_MODEL = "builtin:tiny"  # ~1 MB: its compute is tiny, so the IPC overhead stands out
+DECODE_PROMPT = "The supervisor starts one runner process for every model it serves."
+TTFT_PROMPT = "Hello"
+
+# Targets (see the brief in bench/README.md).
+DECODE_RATIO_TARGET = 0.97
+TTFT_P50_TARGET_S = 0.002
+MEMORY_SHARE_TARGET = 0.99
+
+MEMORY_WINDOW_S = 1.0  # how long available memory is watched after an unload/release
+MEMORY_INTERVAL_S = 0.01
+MEMORY_WITHIN = 0.99  # "got within 99%": share returned >= this
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    decode_tokens: int
+    decode_rounds: int
+    ttft_pairs: int
+    ipc_model: str | None  # also measured for figures 1 and 2 (None: the model is tiny)
+    ipc_decode_tokens: int
+    ipc_ttft_pairs: int
+    load_rounds: int
+    memory_rounds: int
+    ttft_tokens: int = 2
+    memory_tokens: int = 8
+    warmup_tokens: int = 8
+    ttft_warmup: int = 3
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    model = args.model or ("builtin:tiny" if args.quick else "builtin:small")
+    ipc_model = None if model == IPC_MODEL else IPC_MODEL
+    if args.quick:
+        base = Settings(model, 128, 3, 30, ipc_model, 128, 30, 2, 1)
+    else:
+        base = Settings(model, 64, 5, 20, ipc_model, 128, 200, 5, 3)
+    overrides = {
+        "decode_tokens": args.decode_tokens,
+        "decode_rounds": args.rounds,
+        "ttft_pairs": args.ttft_pairs,
+        "load_rounds": args.load_rounds,
+        "memory_rounds": args.memory_rounds,
+        "ttft_tokens": args.ttft_tokens,
+    }
+    fields = {**asdict(base), **{k: v for k, v in overrides.items() if v is not None}}
+    return Settings(**fields)
+
+
+# --- small helpers -----------------------------------------------------------
+
+
+def note(message: str) -> None:
+    """Progress, on stderr (stdout is for the table)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of nothing")
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def model_path(model: str) -> Path:
+    """The local directory of ``model``: a builtin (made once, cached) or a directory."""
+    if is_builtin(model):
+        return ensure_builtin_model(model)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise SystemExit(f"--model must be builtin:NAME or a local model directory: {model}")
+    return path
+
+
+def short(model: str) -> str:
+    return model.removeprefix("builtin:") if is_builtin(model) else Path(model).name
+
+
+def available() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def available_now(samples: int = 5) -> int:
+    """Median of a few readings of system available memory, 10 ms apart."""
+    readings = []
+    for index in range(samples):
+        if index:
+            time.sleep(MEMORY_INTERVAL_S)
+        readings.append(available())
+    return int(statistics.median(readings))
+
+
+def rss(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
+
+
+# --- the in-process side -----------------------------------------------------
+
+
+class Worker:
+    """A ``bench/inproc_worker.py`` child; one JSON request/reply per line."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log = log_path.open("a", encoding="utf-8")
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            encoding="utf-8",
+        )
+        self.log_path = log_path
+        self.hello = self._read()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            tail = self.log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+            raise RuntimeError(f"in-process worker exited with {code}:\n{tail}")
+        message: dict[str, Any] = json.loads(line)
+        if not message.get("ok"):
+            raise RuntimeError(f"in-process worker: {message.get('error')}")
+        return message
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        """Ask it to exit and reap it (SIGKILL if it does not go within 10 s)."""
+        try:
+            if self.process.poll() is None:
+                with contextlib.suppress(OSError, RuntimeError, ValueError):
+                    self.request("exit")
+                self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            self._log.close()
+
+
+@contextlib.contextmanager
+def worker(log_path: Path) -> Iterator[Worker]:
+    w = Worker(log_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+# --- the daemon side ---------------------------------------------------------
+
+
+def spare_supported() -> bool:
+    """Whether this daemon keeps a hot spare (a pre-started runner) by default."""
+    return bool(getattr(SupervisorConfig(), "hot_spare", False))
+
+
+@dataclass
+class Daemon:
+    """A private daemon started for this run, and what to wait for before measuring."""
+
+    process: DaemonProcess
+    client: Client
+    keeps_spare: bool
+
+    @classmethod
+    def start(cls, stack: contextlib.ExitStack, tmp: Path, label: str, config: str) -> Daemon:
+        """Start ``mlx-supervisor serve`` with ``config`` (TOML text) on a socket in ``tmp``.
+
+        An explicit config file, even an empty one, keeps a user's own config out.
+        """
+        config_path = tmp / f"{label}.toml"
+        config_path.write_text(config, encoding="utf-8")
+        # No log file: its writes would be one more thing running in this (client) process.
+        process = DaemonProcess(tmp / f"{label}.sock", config_path=config_path)
+        stack.enter_context(process)  # on the way out: SIGTERM (graceful), else SIGKILL
+
+        def show_log_on_error(exc_type: type[BaseException] | None, *_: object) -> bool:
+            if exc_type is not None:
+                tail = "\n".join(list(process.log_lines)[-20:])
+                note(f"the {label} daemon's last log lines:\n{tail}")
+            return False
+
+        stack.push(show_log_on_error)
+        keeps_spare = spare_supported() and "hot_spare = false" not in config
+        return cls(process, Client(process.socket_path), keeps_spare)
+
+    def settle(self, timeout_s: float = 120.0) -> float:
+        """Wait until no runner is starting or loading and the hot spare (if the daemon
+        keeps one) has finished importing mlx, so that nothing of the daemon's runs
+        during the next measurement. Returns how long it took.
+
+        The client has no event to wait on, so this reads ``status`` every 20 ms.
+        """
+        started = time.perf_counter()
+        while True:
+            status = self.client.status()
+            spare = getattr(status, "spare", None)
+            spare_ok = not self.keeps_spare or (spare is not None and spare.warm)
+            if spare_ok and all(r.state == "ready" for r in status.runners):
+                return time.perf_counter() - started
+            if time.perf_counter() - started > timeout_s:
+                raise RuntimeError(f"daemon not settled after {timeout_s} s: {status}")
+            time.sleep(0.02)
+
+    def shutdown(self) -> dict[str, Any]:
+        ack = self.client.shutdown()
+        return {"code": self.process.wait(), "runners_at_shutdown": ack.runners}
+
+
+# --- one generation on each side ---------------------------------------------
+
+
+def inproc_generate(w: Worker, key: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    r = w.request("generate", key=key, prompt=prompt, max_tokens=max_tokens)
+    return {
+        "ttft_s": r["first_s"],
+        "stream_s": r["end_s"] - r["first_s"],
+        "frames": r["frames"],
+        "generation_tokens": r["generation_tokens"],
+        "reported_tps": r["generation_tps"],
+        "finish_reason": r["finish_reason"],
+        "text": r["text"],
+        "sync_s": r["sync_s"],
+    }
+
+
+def daemon_generate(client: Client, name: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """Stream one greedy generation through the daemon, timed by the client.
+
+    ``ttft_s`` is Generation.ttft_s (request sent -> first TextChunk);
+    ``e2e_ttft_s`` also counts the connect and handshake inside Client.generate.
+    """
+    pieces: list[str] = []
+    first: float | None = None
+    started = time.perf_counter()
+    with client.generate(name, prompt, max_tokens=max_tokens, temperature=0.0, top_p=1.0) as gen:
+        for text in gen:
+            if first is None:
+                first = time.perf_counter()
+            pieces.append(text)
+    end = time.perf_counter()
+    done = gen.done
+    if done is None or first is None or gen.ttft_s is None:
+        raise RuntimeError("the daemon's generation ended without text or stats")
+    return {
+        "ttft_s": gen.ttft_s,
+        "e2e_ttft_s": first - started,
+        "runner_ttft_s": done.ttft_s,
+        "stream_s": end - first,
+        "frames": len(pieces),
+        "generation_tokens": done.generation_tokens,
+        "reported_tps": done.generation_tps,
+        "finish_reason": done.finish_reason,
+        "text": "".join(pieces),
+    }
+
+
+def stream_tps(run: dict[str, Any]) -> float:
+    """Decode rate seen by the consumer: tokens after the first / first -> end."""
+    return float((run["frames"] - 1) / run["stream_s"])
+
+
+# --- figure 1: decode tokens/s -----------------------------------------------
+
+
+def bench_decode(
+    client: Client, w: Worker, model: str, max_tokens: int, rounds: int, warmup_tokens: int
+) -> dict[str, Any]:
+    name = short(model)
+    inproc_generate(w, name, DECODE_PROMPT, warmup_tokens)
+    daemon_generate(client, name, DECODE_PROMPT, warmup_tokens)
+    samples = []
+    for index in range(rounds):
+        inproc = inproc_generate(w, name, DECODE_PROMPT, max_tokens)
+        daemon = daemon_generate(client, name, DECODE_PROMPT, max_tokens)
+        sample = {
+            "round": index,
+            "inproc_tps": stream_tps(inproc),
+            "daemon_tps": stream_tps(daemon),
+            "inproc_reported_tps": inproc["reported_tps"],
+            "daemon_reported_tps": daemon["reported_tps"],
+            "inproc_tokens": inproc["generation_tokens"],
+            "daemon_tokens": daemon["generation_tokens"],
+            "daemon_frames": daemon["frames"],
+            "inproc_finish": inproc["finish_reason"],
+            "daemon_finish": daemon["finish_reason"],
+            "same_text": inproc["text"] == daemon["text"],
+            "inproc_sync_s": inproc["sync_s"],
+        }
+        sample["ratio"] = sample["daemon_tps"] / sample["inproc_tps"]
+        sample["reported_ratio"] = sample["daemon_reported_tps"] / sample["inproc_reported_tps"]
+        samples.append(sample)
+        note(
+            f"  decode {name} round {index + 1}/{rounds}: in-process "
+            f"{sample['inproc_tps']:.2f} tok/s, daemon {sample['daemon_tps']:.2f} tok/s, "
+            f"ratio {sample['ratio']:.3f}"
+        )
+    tokens_equal = all(
+        s["inproc_tokens"] == s["daemon_tokens"] == s["daemon_frames"] for s in samples
+    )
+
+    def med(key: str) -> float:
+        return float(statistics.median(s[key] for s in samples))
+
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "prompt": DECODE_PROMPT,
+        "median_ratio": med("ratio"),
+        "median_reported_ratio": med("reported_ratio"),
+        "median_inproc_tps": med("inproc_tps"),
+        "median_daemon_tps": med("daemon_tps"),
+        "median_inproc_reported_tps": med("inproc_reported_tps"),
+        "median_daemon_reported_tps": med("daemon_reported_tps"),
+        "tokens_equal": tokens_equal,
+        "ran_to_max_tokens": all(s["inproc_tokens"] == max_tokens for s in samples),
+        "same_text": all(s["same_text"] for s in samples),
+        "samples": samples,
+    }
+
+
+# --- figure 2: time to first token -------------------------------------------
+
+
+def bench_ttft(
+    client: Client, w: Worker, model: str, pairs: int, warmup: int, max_tokens: int
+) -> dict[str, Any]:
+    name = short(model)
+    rows = []
+    for index in range(warmup + pairs):
+        inproc = inproc_generate(w, name, TTFT_PROMPT, max_tokens)
+        daemon = daemon_generate(client, name, TTFT_PROMPT, max_tokens)
+        if index >= warmup:
+            rows.append(
+                {
+                    "inproc_s": inproc["ttft_s"],
+                    "daemon_s": daemon["ttft_s"],
+                    "daemon_e2e_s": daemon["e2e_ttft_s"],
+                    "runner_s": daemon["runner_ttft_s"],
+                }
+            )
+
+    def column(key: str) -> list[float]:
+        return [float(r[key]) for r in rows]
+
+    def diffs(key: str) -> list[float]:
+        return [r[key] - r["inproc_s"] for r in rows]
+
+    def summary(values: list[float]) -> dict[str, float]:
+        return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+    inproc, daemon, e2e = column("inproc_s"), column("daemon_s"), column("daemon_e2e_s")
+    result = {
+        "model": model,
+        "pairs": pairs,
+        "max_tokens": max_tokens,
+        "prompt": TTFT_PROMPT,
+        "inproc": summary(inproc),
+        "daemon": summary(daemon),
+        "daemon_e2e": summary(e2e),
+        "runner": summary(column("runner_s")),
+        # headline: per-pair differences (each daemon request minus the in-process one
+        # just before it), then their percentiles
+        "paired_diff": summary(diffs("daemon_s")),
+        "paired_diff_e2e": summary(diffs("daemon_e2e_s")),
+        # the other reading: percentile of one distribution minus that of the other
+        "distribution_diff": {
+            "p50": percentile(daemon, 50) - percentile(inproc, 50),
+            "p99": percentile(daemon, 99) - percentile(inproc, 99),
+        },
+        # the two hops alone: client-seen TTFT minus the runner's own TTFT
+        "hops_only": summary([r["daemon_s"] - r["runner_s"] for r in rows]),
+        "samples": rows,
+    }
+    note(
+        f"  ttft {name}: {pairs} pairs, paired diff p50 "
+        f"{1000 * result['paired_diff']['p50']:.3f} ms, p99 "
+        f"{1000 * result['paired_diff']['p99']:.3f} ms"
+    )
+    return result
+
+
+# --- figure 3: load to ready -------------------------------------------------
+
+
+def baseline_load(path: Path) -> dict[str, float]:
+    """Wall time of a fresh ``python -c "import mlx_lm; mlx_lm.load(PATH)"``.
+
+    ``wall_s`` is spawn -> reaped (what ``subprocess.run`` sees); ``ready_s`` is
+    spawn -> a line printed right after ``load`` returned (no interpreter teardown).
+    """
+    code = f"import mlx_lm; mlx_lm.load({str(path)!r}); print('ready', flush=True)"
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    ready = time.perf_counter()
+    _, err = process.communicate()
+    wall = time.perf_counter()
+    if process.returncode != 0 or line.strip() != "ready":
+        raise RuntimeError(f"baseline load failed ({process.returncode}): {err[-2000:]}")
+    return {"wall_s": wall - started, "ready_s": ready - started}
+
+
+def bench_load(daemons: dict[str, Daemon], model: str, path: Path, rounds: int) -> dict[str, Any]:
+    """Interleaved: baseline, then a load (and unload) on each daemon, per round.
+
+    Every daemon is settled before each timed step, so a hot spare being remade
+    after the previous load never runs during one.
+    """
+    name = "bench-load"
+
+    def settle_all() -> None:
+        for d in daemons.values():
+            d.settle()
+
+    samples: list[dict[str, Any]] = []
+    for index in range(rounds + 1):  # round 0 warms the page cache on every side
+        settle_all()
+        base = baseline_load(path)
+        sample: dict[str, Any] = {
+            "baseline_wall_s": base["wall_s"],
+            "baseline_ready_s": base["ready_s"],
+        }
+        for variant, d in daemons.items():
+            settle_all()
+            started = time.perf_counter()
+            loaded = d.client.load(model, name)
+            load_s = time.perf_counter() - started
+            unloaded = d.client.unload(name)
+            sample[variant] = {
+                "load_s": load_s,
+                "runner_load_s": loaded.load_s,
+                "unload_s": unloaded.elapsed_s,
+                "ratio": load_s / base["wall_s"],
+                "ratio_vs_ready": load_s / base["ready_s"],
+            }
+        if index == 0:
+            continue
+        samples.append(sample)
+        took = ", ".join(f"{v} {sample[v]['load_s']:.2f} s" for v in daemons)
+        note(f"  load round {index}/{rounds}: baseline {base['wall_s']:.2f} s, {took}")
+
+    def med(values: list[float]) -> float:
+        return float(statistics.median(values))
+
+    variants = {
+        variant: {
+            key: med([s[variant][key] for s in samples])
+            for key in ("load_s", "ratio", "ratio_vs_ready", "runner_load_s", "unload_s")
+        }
+        for variant in daemons
+    }
+    return {
+        "model": model,
+        "rounds": rounds,
+        "median_baseline_wall_s": med([s["baseline_wall_s"] for s in samples]),
+        "median_baseline_ready_s": med([s["baseline_ready_s"] for s in samples]),
+        "daemons": {v: {f"median_{k}": x for k, x in m.items()} for v, m in variants.items()},
+        "samples": samples,
+    }
+
+
+# --- figure 4: memory given back ---------------------------------------------
+
+
+def share(before: int, loaded: int, after: int) -> float | None:
+    taken = before - loaded
+    return (after - loaded) / taken if taken > 0 else None
+
+
+def watch_return(before: int, loaded: int, since: float) -> dict[str, Any]:
+    """Sample available memory for MEMORY_WINDOW_S after ``since``; keep the last."""
+    samples: list[tuple[float, int]] = []
+    deadline = since + MEMORY_WINDOW_S
+    while True:
+        now = time.perf_counter()
+        samples.append((now - since, available()))
+        if now >= deadline:
+            break
+        time.sleep(min(MEMORY_INTERVAL_S, max(0.0, deadline - now)))
+    within = next(
+        (t for t, value in samples if (share(before, loaded, value) or 0.0) >= MEMORY_WITHIN),
+        None,
+    )
+    last = samples[-1][1]
+    return {
+        "after": last,
+        "share": share(before, loaded, last),
+        "first_sample_s": samples[0][0],
+        "within_99_s": within,
+        "samples": len(samples),
+        "min": min(v for _, v in samples),
+        "max": max(v for _, v in samples),
+    }
+
+
+def memory_round_daemon(d: Daemon, model: str, tokens: int) -> dict[str, Any]:
+    """Available memory before load, loaded (after a generation), and after unload.
+
+    The daemon is settled before each reading: with a hot spare, taking it for the
+    load starts a new one, which is then part of both ``loaded`` and ``after``.
+    """
+    name, client, daemon_pid = "bench-mem", d.client, d.process.pid
+    d.settle()
+    daemon_rss_before = rss(daemon_pid)
+    before = available_now()
+    loaded_reply = client.load(model, name)
+    daemon_generate(client, name, DECODE_PROMPT, tokens)
+    d.settle()
+    status = client.status()
+    runner = next(r for r in status.runners if r.name == name)
+    spare = getattr(status, "spare", None)
+    loaded = available_now()
+    unload_started = time.perf_counter()
+    unloaded = client.unload(name)
+    returned = time.perf_counter()
+    window = watch_return(before, loaded, returned)
+    return {
+        "before": before,
+        "loaded": loaded,
+        "taken": before - loaded,
+        **window,
+        "unload_call_s": returned - unload_started,
+        "runner_pid": loaded_reply.pid,
+        "runner_rss_loaded": runner.rss_bytes,
+        "spare_rss": spare.rss_bytes if spare is not None else None,
+        "runner_alive_after": psutil.pid_exists(unloaded.pid),
+        "daemon_rss_before": daemon_rss_before,
+        "daemon_rss_after": rss(daemon_pid),
+    }
+
+
+def memory_round_inproc(path: Path, tokens: int, log_path: Path) -> dict[str, Any]:
+    with worker(log_path) as w:
+        before = available_now()
+        rss_before = rss(w.pid)
+        w.request("load", key="m", path=str(path))
+        w.request("generate", key="m", prompt=DECODE_PROMPT, max_tokens=tokens)
+        loaded = available_now()
+        rss_loaded = rss(w.pid)
+        released = w.request("release", key="m")
+        window = watch_return(before, loaded, time.perf_counter())
+        rss_after = rss(w.pid)
+    after_exit = available_now()
+    grown = rss_loaded - rss_before if rss_loaded and rss_before else None
+    return {
+        "before": before,
+        "loaded": loaded,
+        "taken": before - loaded,
+        **window,
+        "rss_before_load": rss_before,
+        "rss_loaded": rss_loaded,
+        "rss_after_release": rss_after,
+        "rss_grown": grown,
+        "rss_kept": rss_after - rss_before if rss_after and rss_before else None,
+        "mlx_active_after_release": released["active_bytes"],
+        "mlx_cache_after_release": released["cache_bytes"],
+        "after_exit": after_exit,
+        "share_after_exit": share(before, loaded, after_exit),
+    }
+
+
+def bench_memory(
+    d: Daemon, model: str, path: Path, rounds: int, tokens: int, tmp: Path
+) -> dict[str, Any]:
+    daemon_rounds, inproc_rounds = [], []
+    for index in range(rounds):
+        daemon_rounds.append(memory_round_daemon(d, model, tokens))
+        log_path = tmp / f"memory-worker-{index}.log"
+        d.settle()
+        inproc_rounds.append(memory_round_inproc(path, tokens, log_path))
+        note(
+            f"  memory round {index + 1}/{rounds}: share returned daemon "
+            f"{_fmt(daemon_rounds[-1]['share'], '.3f')}, in-process "
+            f"{_fmt(inproc_rounds[-1]['share'], '.3f')}"
+        )
+
+    def med(items: list[dict[str, Any]], key: str) -> float | None:
+        values = [r[key] for r in items if r[key] is not None]
+        return float(statistics.median(values)) if values else None
+
+    def summary(items: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "median_share": med(items, "share"),
+            "median_taken_bytes": med(items, "taken"),
+            # over the rounds that got within 99% inside the window
+            "median_within_99_s": med(items, "within_99_s"),
+            "rounds_within_99": sum(r["within_99_s"] is not None for r in items),
+        }
+
+    return {
+        "model": model,
+        "rounds": rounds,
+        "window_s": MEMORY_WINDOW_S,
+        "daemon": {**summary(daemon_rounds), "rounds": daemon_rounds},
+        "inproc": {
+            **summary(inproc_rounds),
+            "median_rss_grown": med(inproc_rounds, "rss_grown"),
+            "median_rss_kept": med(inproc_rounds, "rss_kept"),
+            "median_share_after_exit": med(inproc_rounds, "share_after_exit"),
+            "rounds": inproc_rounds,
+        },
+    }
+
+
+# --- machine info ------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=BENCH_DIR.parent, capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "src")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "src_dirty_files": len(dirty.splitlines()),
+        # where the daemon's code came from (PYTHONPATH can point elsewhere than this tree)
+        "supervisor_package": str(Path(supervisor.__file__).parent),
+    }
+
+
+def machine_info(hello: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_total_bytes": int(psutil.virtual_memory().total),
+        "python": sys.version.split()[0],
+        "python_executable": sys.executable,
+        "mlx": metadata.version("mlx"),
+        "mlx_lm": metadata.version("mlx-lm"),
+        "mlx_device": hello["device"],
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "loadavg_start": list(os.getloadavg()),
+        "git": git_state(),
+    }
+
+
+def model_info(model: str, path: Path) -> dict[str, Any]:
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    return {
+        "model": model,
+        "path": str(path),
+        "dtype": config.get("torch_dtype"),
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "weights_bytes": weights,
+    }
+
+
+# --- the run -----------------------------------------------------------------
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    started = time.perf_counter()
+    model, ipc_model = settings.model, settings.ipc_model
+    models = [model] + ([ipc_model] if ipc_model else [])
+    paths = {m: model_path(m) for m in models}
+    results: dict[str, Any] = {"settings": asdict(settings)}
+    with (
+        tempfile.TemporaryDirectory(prefix="mlx-bench-") as tmp_name,
+        contextlib.ExitStack() as stack,
+    ):
+        tmp = Path(tmp_name)
+        daemon = Daemon.start(stack, tmp, "daemon", "# defaults\n")
+        client = daemon.client
+        results["daemon"] = {"pid": daemon.process.pid, "hot_spare": daemon.keeps_spare}
+        note(f"daemon pid {daemon.process.pid}; loading {', '.join(models)} on both sides")
+        with worker(tmp / "worker.log") as w:
+            results["machine"] = machine_info(w.hello)
+            results["models"] = {m: model_info(m, paths[m]) for m in models}
+            for m in models:
+                w.request("load", key=short(m), path=str(paths[m]))
+                client.load(m, short(m))
+            daemon.settle()
+            note("figure 1: decode tokens/s")
+            s = settings
+            results["decode"] = [
+                bench_decode(client, w, model, s.decode_tokens, s.decode_rounds, s.warmup_tokens)
+            ]
+            if ipc_model:
+                results["decode"].append(
+                    bench_decode(
+                        client, w, ipc_model, s.ipc_decode_tokens, s.decode_rounds, s.warmup_tokens
+                    )
+                )
+            note("figure 2: time to first token")
+            results["ttft"] = [
+                bench_ttft(client, w, model, s.ttft_pairs, s.ttft_warmup, s.ttft_tokens)
+            ]
+            if ipc_model:
+                results["ttft"].append(
+                    bench_ttft(client, w, ipc_model, s.ipc_ttft_pairs, s.ttft_warmup, s.ttft_tokens)
+                )
+            for m in models:
+                client.unload(short(m))
+        note("figure 3: load to ready")
+        daemons = {"daemon": daemon}
+        if daemon.keeps_spare:
+            # the same daemon without its hot spare: every load starts python and imports mlx
+            daemons = {
+                "hot spare": daemon,
+                "no spare": Daemon.start(stack, tmp, "cold", "hot_spare = false\n"),
+            }
+        results["load"] = bench_load(daemons, model, paths[model], s.load_rounds)
+        for d in daemons.values():
+            if d is not daemon:
+                d.shutdown()
+        note("figure 4: memory given back")
+        results["memory"] = bench_memory(
+            daemon, model, paths[model], s.memory_rounds, s.memory_tokens, tmp
+        )
+        results["daemon"]["exit"] = daemon.shutdown()
+    results["children_left"] = [p.pid for p in psutil.Process().children(recursive=True)]
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["duration_s"] = time.perf_counter() - started
+    return results
+
+
+# --- the table ---------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "-" if value is None else f"{value * scale:{spec}}{unit}"
+
+
+def _check(ok: bool | None) -> str:
+    return "-" if ok is None else ("PASS" if ok else "FAIL")
+
+
+Row = tuple[str, str, str, str, str, str]
+
+
+def _ms(value: float | None) -> str:
+    return _fmt(value, ".3f", 1000, " ms")
+
+
+def _signed_ms(value: float | None) -> str:
+    return _fmt(value, "+.3f", 1000, " ms")
+
+
+def _mib(value: float | None) -> str:
+    return _fmt(value, ".0f", 1 / 2**20, " MiB")
+
+
+def _decode_rows(d: dict[str, Any]) -> list[Row]:
+    m, target = short(d["model"]), DECODE_RATIO_TARGET
+    what = f"{m}, {d['max_tokens']} tok, median of {d['rounds']}"
+    checks = f"{'yes' if d['tokens_equal'] else 'NO'} / {'yes' if d['same_text'] else 'NO'}"
+    return [
+        (
+            f"1 decode tok/s, client-seen ({what})",
+            f"{d['median_daemon_tps']:.2f}",
+            f"{d['median_inproc_tps']:.2f}",
+            f"ratio {d['median_ratio']:.3f}",
+            f">= {target}",
+            _check(d["median_ratio"] >= target),
+        ),
+        (
+            f"1 decode tok/s, mlx-lm generation_tps ({m})",
+            f"{d['median_daemon_reported_tps']:.2f}",
+            f"{d['median_inproc_reported_tps']:.2f}",
+            f"ratio {d['median_reported_ratio']:.3f}",
+            f">= {target}",
+            _check(d["median_reported_ratio"] >= target),
+        ),
+        (
+            f"1 check: same token count / same text ({m})",
+            "",
+            "",
+            checks,
+            "yes / yes",
+            _check(d["tokens_equal"]),
+        ),
+    ]
+
+
+def _ttft_rows(t: dict[str, Any]) -> list[Row]:
+    m, paired = short(t["model"]), t["paired_diff"]
+    dist, e2e, hops = t["distribution_diff"], t["paired_diff_e2e"], t["hops_only"]
+    return [
+        (
+            f"2 TTFT p50, Generation.ttft_s ({m}, {t['pairs']} pairs, max_tokens "
+            f"{t['max_tokens']})",
+            _ms(t["daemon"]["p50"]),
+            _ms(t["inproc"]["p50"]),
+            f"paired diff {_signed_ms(paired['p50'])}",
+            f"< {TTFT_P50_TARGET_S * 1000:g} ms",
+            _check(paired["p50"] < TTFT_P50_TARGET_S),
+        ),
+        (
+            f"2 TTFT p99, Generation.ttft_s ({m})",
+            _ms(t["daemon"]["p99"]),
+            _ms(t["inproc"]["p99"]),
+            f"paired diff {_signed_ms(paired['p99'])}",
+            "",
+            "",
+        ),
+        (
+            f"2 TTFT p50(daemon)-p50(in-proc) / p99-p99 ({m})",
+            "",
+            "",
+            f"{_signed_ms(dist['p50'])} / {_signed_ms(dist['p99'])}",
+            "",
+            "",
+        ),
+        (
+            f"2 TTFT incl. connect+handshake, paired p50 / p99 ({m})",
+            _ms(t["daemon_e2e"]["p50"]),
+            "",
+            f"{_signed_ms(e2e['p50'])} / {_signed_ms(e2e['p99'])}",
+            "",
+            "",
+        ),
+        (
+            f"2 the hops alone: client ttft - runner ttft, p50 / p99 ({m})",
+            "",
+            "",
+            f"{_signed_ms(hops['p50'])} / {_signed_ms(hops['p99'])}",
+            "",
+            "",
+        ),
+    ]
+
+
+def _load_rows(ld: dict[str, Any]) -> list[Row]:
+    what = f"{short(ld['model'])}, median of {ld['rounds']}"
+    rows: list[Row] = [
+        (
+            f"3 load-to-ready, s ({what}): python -c mlx_lm.load",
+            "",
+            f"{ld['median_baseline_wall_s']:.3f}",
+            f"until load() returned: {ld['median_baseline_ready_s']:.3f}",
+            "",
+            "",
+        )
+    ]
+    for variant, d in ld["daemons"].items():
+        rows.append(
+            (
+                f"3 load-to-ready, s: Client.load ({variant})",
+                f"{d['median_load_s']:.3f}",
+                "",
+                f"ratio {d['median_ratio']:.3f} (to returned: {d['median_ratio_vs_ready']:.3f})",
+                "",
+                "",
+            )
+        )
+    return rows
+
+
+def _memory_rows(mem: dict[str, Any]) -> list[Row]:
+    daemon, inproc = mem["daemon"], mem["inproc"]
+    d_share = daemon["median_share"]
+    kept = f"of {_mib(inproc['median_rss_grown'])} grown"
+    return [
+        (
+            f"4 share of memory returned in 1 s ({short(mem['model'])}, median of {mem['rounds']})",
+            _fmt(d_share, ".3f"),
+            _fmt(inproc["median_share"], ".3f"),
+            "unload vs del+gc+clear_cache",
+            f">= {MEMORY_SHARE_TARGET}",
+            _check(None if d_share is None else d_share >= MEMORY_SHARE_TARGET),
+        ),
+        (
+            "4 available memory taken by load+generate",
+            _mib(daemon["median_taken_bytes"]),
+            _mib(inproc["median_taken_bytes"]),
+            "",
+            "",
+            "",
+        ),
+        (
+            "4 within 99% after the call returned",
+            _ms(daemon["median_within_99_s"]),
+            _ms(inproc["median_within_99_s"]),
+            "",
+            "",
+            "",
+        ),
+        (
+            "4 in-process RSS kept after del/gc/clear_cache",
+            "",
+            _mib(inproc["median_rss_kept"]),
+            kept,
+            "",
+            "",
+        ),
+    ]
+
+
+def table(results: dict[str, Any]) -> str:
+    rows: list[Row] = []
+    for d in results["decode"]:
+        rows += _decode_rows(d)
+    for t in results["ttft"]:
+        rows += _ttft_rows(t)
+    rows += _load_rows(results["load"])
+    rows += _memory_rows(results["memory"])
+    header: Row = ("figure", "daemon", "in-process", "result", "target", "")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
+        for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
+    mach = results["machine"]
+    title = (
+        f"mlx-supervisor daemon vs in-process mlx-lm, {mach['date']}\n"
+        f"{mach['platform']}, {mach['cpu_count']} CPUs ({mach['cpu']}), "
+        f"{mach['memory_total_bytes'] / 2**30:.1f} GiB, python {mach['python']}, "
+        f"mlx {mach['mlx']} on {mach['mlx_device']}, mlx-lm {mach['mlx_lm']}"
+    )
+    footer = (
+        f"ran {results['duration_s']:.0f} s; load average {mach['loadavg_start'][0]:.2f} at "
+        f"start, {mach['loadavg_end'][0]:.2f} at end; child processes left: "
+        f"{len(results['children_left'])}"
+    )
+    return "\n".join([title, "", *lines, "", footer])
+
+
+def write_json(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="builtin:NAME or a model directory (builtin:small)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny, few rounds")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
+    parser.add_argument("--decode-tokens", type=int, help="max_tokens of figure 1's decodes")
+    parser.add_argument("--rounds", type=int, help="figure 1's rounds")
+    parser.add_argument("--ttft-pairs", type=int, help="figure 2's pairs for --model")
+    parser.add_argument("--ttft-tokens", type=int, help="max_tokens of figure 2's requests (2)")
+    parser.add_argument("--load-rounds", type=int, help="figure 3's rounds")
+    parser.add_argument("--memory-rounds", type=int, help="figure 4's rounds")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(settings_from_args(args))
+    write_json(results, args.out)
+    print(table(results))
+    print(f"\nresults: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""What a daemon must remember across its own death: its runners and its models.
+
+One JSON file per socket path in the XDG state dir, rewritten atomically
+(temp file, fsync, rename) on every change. On start, a daemon kills the
+runners a dead predecessor left behind (matching pid *and* start time, so a
+reused pid is never hit) and loads the predecessor's models again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+from pathlib import Path
+
+import msgspec
+import psutil
+import structlog
+
+from supervisor.config import ModelConfig
+from supervisor.paths import state_dir
+
+log = structlog.get_logger("supervisor.state")
+
+_CREATE_TIME_SLACK_S = 0.05  # psutil start times are rounded to clock ticks
+
+
+class RunnerRecord(msgspec.Struct, frozen=True):
+    name: str
+    pid: int
+    create_time: float
+
+
+class DaemonState(msgspec.Struct):
+    daemon_pid: int = 0
+    socket: str = ""
+    runners: list[RunnerRecord] = []
+    models: list[ModelConfig] = []
+
+
+def state_path(socket_path: Path) -> Path:
+    """The state file of the daemon that serves ``socket_path``."""
+    digest = hashlib.sha256(str(socket_path.resolve()).encode()).hexdigest()[:16]
+    return state_dir() / f"daemon-{digest}.json"
+
+
+def process_create_time(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+class StateFile:
+    """Reads and atomically rewrites one daemon's state file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> DaemonState:
+        """The saved state; an empty one if there is none or it is unreadable."""
+        try:
+            return msgspec.json.decode(self.path.read_bytes(), type=DaemonState)
+        except FileNotFoundError:
+            return DaemonState()
+        except (OSError, msgspec.DecodeError) as exc:
+            log.warning("state_file_unreadable", path=str(self.path), error=str(exc))
+            return DaemonState()
+
+    def save(self, state: DaemonState) -> None:
+        """Write ``state`` so that a crash leaves either the old or the new file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(state))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def kill_leftover_runners(records: list[RunnerRecord]) -> list[int]:
+    """SIGKILL recorded runners that still run (same pid and start time).
+
+    Returns the pids killed. A pid now used by another process is left alone.
+    """
+    killed: list[int] = []
+    for record in records:
+        if record.pid == os.getpid():
+            continue
+        started = process_create_time(record.pid)
+        if started is None or abs(started - record.create_time) > _CREATE_TIME_SLACK_S:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.pid, signal.SIGKILL)
+            killed.append(record.pid)
+            log.warning("leftover_runner_killed", model=record.name, runner_pid=record.pid)
+    procs = []
+    for pid in killed:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    psutil.wait_procs(procs, timeout=5)
+    return killed
