@@ -75,6 +75,7 @@ class Settings:
     ipc_ttft_pairs: int
     load_rounds: int
     memory_rounds: int
+    quick: bool = False
     ttft_tokens: int = 2
     memory_tokens: int = 8
     warmup_tokens: int = 8
@@ -85,7 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     model = args.model or ("builtin:tiny" if args.quick else "builtin:small")
     ipc_model = None if model == IPC_MODEL else IPC_MODEL
     if args.quick:
-        base = Settings(model, 128, 3, 30, ipc_model, 128, 30, 2, 1)
+        base = Settings(model, 128, 3, 30, ipc_model, 128, 30, 2, 1, quick=True)
     else:
         base = Settings(model, 64, 5, 20, ipc_model, 128, 200, 5, 3)
     overrides = {
@@ -152,6 +153,16 @@ def rss(pid: int) -> int | None:
         return int(psutil.Process(pid).memory_info().rss)
     except psutil.Error:
         return None
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and all its descendants (the daemon, its runners, its spare)."""
+    root = psutil.Process(pid)
+    total = 0
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += int(process.memory_info().rss)
+    return total
 
 
 # --- the in-process side -----------------------------------------------------
@@ -583,6 +594,7 @@ def memory_round_daemon(d: Daemon, model: str, tokens: int) -> dict[str, Any]:
     name, client, daemon_pid = "bench-mem", d.client, d.process.pid
     d.settle()
     daemon_rss_before = rss(daemon_pid)
+    tree_before = tree_rss(daemon_pid)
     before = available_now()
     loaded_reply = client.load(model, name)
     daemon_generate(client, name, DECODE_PROMPT, tokens)
@@ -590,16 +602,22 @@ def memory_round_daemon(d: Daemon, model: str, tokens: int) -> dict[str, Any]:
     status = client.status()
     runner = next(r for r in status.runners if r.name == name)
     spare = getattr(status, "spare", None)
+    tree_loaded = tree_rss(daemon_pid)
     loaded = available_now()
     unload_started = time.perf_counter()
     unloaded = client.unload(name)
     returned = time.perf_counter()
     window = watch_return(before, loaded, returned)
+    tree_after = tree_rss(daemon_pid)
     return {
         "before": before,
         "loaded": loaded,
         "taken": before - loaded,
         **window,
+        # the same share from the RSS of the daemon's process tree: blind to the rest
+        # of the machine, so other people's processes cannot move it
+        "tree_rss": [tree_before, tree_loaded, tree_after],
+        "rss_share": share(-tree_before, -tree_loaded, -tree_after),
         "unload_call_s": returned - unload_started,
         "runner_pid": loaded_reply.pid,
         "runner_rss_loaded": runner.rss_bytes,
@@ -633,6 +651,9 @@ def memory_round_inproc(path: Path, tokens: int, log_path: Path) -> dict[str, An
         "rss_after_release": rss_after,
         "rss_grown": grown,
         "rss_kept": rss_after - rss_before if rss_after and rss_before else None,
+        "rss_share": share(-rss_before, -rss_loaded, -rss_after)
+        if rss_before and rss_loaded and rss_after
+        else None,
         "mlx_active_after_release": released["active_bytes"],
         "mlx_cache_after_release": released["cache_bytes"],
         "after_exit": after_exit,
@@ -662,6 +683,7 @@ def bench_memory(
     def summary(items: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "median_share": med(items, "share"),
+            "median_rss_share": med(items, "rss_share"),
             "median_taken_bytes": med(items, "taken"),
             # over the rounds that got within 99% inside the window
             "median_within_99_s": med(items, "within_99_s"),
@@ -956,6 +978,14 @@ def _memory_rows(mem: dict[str, Any]) -> list[Row]:
             _check(None if d_share is None else d_share >= MEMORY_SHARE_TARGET),
         ),
         (
+            "4 ... same share by RSS (daemon's process tree / worker)",
+            _fmt(daemon["median_rss_share"], ".3f"),
+            _fmt(inproc["median_rss_share"], ".3f"),
+            "",
+            "",
+            "",
+        ),
+        (
             "4 available memory taken by load+generate",
             _mib(daemon["median_taken_bytes"]),
             _mib(inproc["median_taken_bytes"]),
@@ -998,8 +1028,9 @@ def table(results: dict[str, Any]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
     mach = results["machine"]
+    quick = " (--quick: a smoke run, not a measurement)" if results["settings"]["quick"] else ""
     title = (
-        f"mlx-supervisor daemon vs in-process mlx-lm, {mach['date']}\n"
+        f"mlx-supervisor daemon vs in-process mlx-lm{quick}, {mach['date']}\n"
         f"{mach['platform']}, {mach['cpu_count']} CPUs ({mach['cpu']}), "
         f"{mach['memory_total_bytes'] / 2**30:.1f} GiB, python {mach['python']}, "
         f"mlx {mach['mlx']} on {mach['mlx_device']}, mlx-lm {mach['mlx_lm']}"

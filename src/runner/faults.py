@@ -17,6 +17,9 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 - ``hang_at_load[=c]``: hang before the weights are evaluated.
 - ``hang_when_idle[=c]``: hang right after Ready (pings go unanswered).
 - ``exit_in_handshake``: exit(1) before sending our Hello.
+- ``once=PATH``: fire at most once across runners: a runner finding PATH
+  injects nothing; the first fault to fire creates it. Lets a test crash a
+  model's first runner but not the one restarted in its place.
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ class Faults:
 
     @classmethod
     def from_env(cls) -> Faults:
-        return cls(os.environ.get(FAULTS_ENV, ""))
+        faults = cls(os.environ.get(FAULTS_ENV, ""))
+        once = faults.arg("once")
+        if once and os.path.exists(once):
+            return cls("")
+        return faults
+
+    def _fire(self) -> None:
+        """Mark a ``once`` fault as spent, just before it acts."""
+        once = self.arg("once")
+        if once:
+            with open(once, "a"):
+                pass
 
     def __contains__(self, name: str) -> bool:
         return name in self._items
@@ -56,15 +70,19 @@ class Faults:
     def at_load(self) -> None:
         """Apply the load-time faults (called before weights are read)."""
         if "crash_at_load" in self:
+            self._fire()
             kill_self(self.arg("crash_at_load") or "SIGKILL")
         if "fail_load" in self:
+            self._fire()
             raise InjectedFault(self.arg("fail_load") or "injected load failure")
         if "hang_at_load" in self:
+            self._fire()
             hang(self.arg("hang_at_load"))
 
     def when_idle(self) -> None:
         """Apply the faults meant for an idle runner (called after Ready)."""
         if "hang_when_idle" in self:
+            self._fire()
             hang(self.arg("hang_when_idle"))
 
     def at_token(self, n: int) -> None:
@@ -72,18 +90,22 @@ class Faults:
         if "crash_at_token" in self:
             at, _, sig = self.arg("crash_at_token").partition(":")
             if n == int(at):
+                self._fire()
                 kill_self(sig or "SIGKILL")
         if "crash_random" in self:
             chance, _, sig = self.arg("crash_random").partition(":")
             if random.random() < float(chance):
+                self._fire()
                 kill_self(sig or "SIGKILL")
         if "hang_at_token" in self:
             at, _, how = self.arg("hang_at_token").partition(":")
             if n == int(at):
+                self._fire()
                 hang(how)
         if "hang_random" in self:
             chance, _, how = self.arg("hang_random").partition(":")
             if random.random() < float(chance):
+                self._fire()
                 hang(how)
 
 
@@ -100,5 +122,7 @@ def hang(how: str) -> None:
 def kill_self(signal_name: str) -> None:
     """Deliver ``signal_name`` to this process, with no handler in the way."""
     signum = signal.Signals[signal_name]
-    signal.signal(signum, signal.SIG_DFL)
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
     os.kill(os.getpid(), signum)

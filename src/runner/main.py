@@ -162,6 +162,7 @@ class Runner:
             "ready", path=str(loaded.path), param_bytes=loaded.param_bytes, load_s=loaded.load_s
         )
         self.channel.send(Ready(str(loaded.path), loaded.param_bytes, active, peak, loaded.load_s))
+        self.faults.when_idle()
 
     def generate(self, request: Generate) -> None:
         from runner.generation import run_generation

@@ -447,6 +447,9 @@ class Registry:
         streamed: list[bool],
     ) -> None:
         deadline = anyio.current_time() + self.config.queue_timeout_s
+        if entry.request_lock.locked() or entry.state != "ready":
+            log.info("request_waiting", model=entry.name, state=entry.state,
+                     ahead=entry.queued + entry.request_lock.locked())  # fmt: skip
         entry.queued += 1
         try:
             with anyio.move_on_after(self.config.queue_timeout_s) as waiting:

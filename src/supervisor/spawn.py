@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -48,6 +50,8 @@ class DaemonProcess:
         self._reader: threading.Thread | None = None
         self._started = threading.Event()
         self._serving = False
+        self._lines_changed = threading.Condition()
+        self.line_count = 0  # lines read so far (log_lines keeps only the last ones)
 
     @property
     def pid(self) -> int:
@@ -87,7 +91,10 @@ class DaemonProcess:
         try:
             for raw in stream:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                self.log_lines.append(line)
+                with self._lines_changed:
+                    self.log_lines.append(line)
+                    self.line_count += 1
+                    self._lines_changed.notify_all()
                 if sink is not None:
                     sink.write(line + "\n")
                     sink.flush()
@@ -98,6 +105,32 @@ class DaemonProcess:
             self._started.set()  # exited before serving: start() reports it
             if sink is not None:
                 sink.close()
+
+    def wait_for_lines(self, seen: int, timeout_s: float) -> bool:
+        """Block until the daemon has written more than ``seen`` lines in all
+        (or its log ended); False on timeout."""
+        with self._lines_changed:
+            return self._lines_changed.wait_for(
+                lambda: self.line_count > seen or not self._reader_alive(), timeout_s
+            )
+
+    def _reader_alive(self) -> bool:
+        return self._reader is not None and self._reader.is_alive()
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Re-check ``condition`` each time the daemon logs something, until true.
+
+        Raises:
+            TimeoutError: still false after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = self.line_count
+            if condition():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.wait_for_lines(seen, remaining):
+                raise TimeoutError(f"condition not met within {timeout_s}s")
 
     def events(self, name: str) -> list[dict[str, object]]:
         """The daemon's log records with event ``name``, oldest first."""
