@@ -52,8 +52,16 @@ case "$command" in
     ensure_venv
     exec .venv/bin/python bench/bench_daemon.py "$@"
     ;;
+  soak)
+    ensure_venv
+    duration=${1:-600}
+    shift || true
+    mkdir -p bench/results
+    exec .venv/bin/python tests/soak/soak_run.py --duration "$duration" \
+      --out bench/results/soak.json "$@"
+    ;;
   *)
-    echo "usage: bash run.sh demo|test|lint|bench [args...]" >&2
+    echo "usage: bash run.sh demo|test|lint|bench|soak [args...]" >&2
     exit 2
     ;;
 esac

@@ -72,6 +72,16 @@ def set_parent_death_signal(parent_pid: int) -> None:
         os._exit(EXIT_ORPHANED)
 
 
+def disable_core_dumps() -> None:
+    """A runner's core file is as big as its model: don't write one unless asked
+    (``MLX_SUPERVISOR_CORE_DUMPS=1``)."""
+    if os.environ.get("MLX_SUPERVISOR_CORE_DUMPS") == "1":
+        return
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def memory_figures() -> tuple[int, int]:
     """MLX active and peak memory in bytes (0, 0 before mlx is imported)."""
     mx = sys.modules.get("mlx.core")
@@ -223,6 +233,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of ``python -m runner``."""
     args = parse_args(argv)
     set_parent_death_signal(args.parent_pid)
+    disable_core_dumps()
     configure_logging()
     structlog.contextvars.bind_contextvars(runner_pid=os.getpid())
     faults = Faults.from_env()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -69,10 +70,15 @@ class Client:
     Args:
         socket_path: the daemon's socket; default ``$MLX_SUPERVISOR_SOCKET``
             or the per-user runtime dir.
+        timeout_s: give up on a reply (or the next piece of a stream) after
+            this long, with ClientError code ``timeout``; None waits forever.
     """
 
-    def __init__(self, socket_path: str | Path | None = None) -> None:
+    def __init__(
+        self, socket_path: str | Path | None = None, timeout_s: float | None = None
+    ) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.timeout_s = timeout_s
 
     def connect(self) -> BlockingChannel[ServerMessage]:
         """Open a connection and shake hands.
@@ -82,6 +88,13 @@ class Client:
             ClientError: the daemon speaks another protocol version.
         """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.timeout_s is not None:
+            # A kernel-level receive timeout: os.read on the detached fd honours it.
+            seconds = int(self.timeout_s)
+            micros = int((self.timeout_s - seconds) * 1e6)
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, micros)
+            )
         try:
             sock.connect(str(self.socket_path))
         except OSError as exc:
@@ -361,6 +374,8 @@ def _recv(channel: BlockingChannel[ServerMessage]) -> ServerMessage:
     """Next message; an ErrorReply becomes ClientError, EOF becomes ClientError."""
     try:
         message = channel.recv()
+    except BlockingIOError as exc:  # SO_RCVTIMEO expired
+        raise ClientError("timeout", "no reply from the daemon in time") from exc
     except ChannelClosed as exc:
         raise ClientError("disconnected", "the daemon closed the connection") from exc
     except ProtocolError as exc:

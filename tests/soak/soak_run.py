@@ -1,0 +1,424 @@
+"""Crash-recovery soak: runners killed at random under load; nothing may hang,
+leak or get lost.
+
+Run it as a test (``tests/soak/test_soak.py``, about 60 s in CI) or alone:
+``python tests/soak/soak_run.py --duration 600 [--out soak.json]``.
+
+A private daemon serves several ``builtin:tiny`` models. Client threads stream
+generations (some cancelled, some abandoned midway), a churn thread loads and
+unloads a model, a chaos thread kills runners with random signals at random
+moments (while loading, prefilling, decoding or idle), and one model hangs at
+random (a blocking C call with SIGTERM masked) for the stall watchdog to find.
+At the end the invariants are checked and printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor.client import Client, ClientError
+from supervisor.spawn import DaemonProcess
+
+MODELS = ["m0", "m1", "m2"]
+HANGY = "hangy"
+CHURN = "churn"
+CLIENTS = 4
+REQUEST_TIMEOUT_S = 60.0
+SIGNALS = ["SIGKILL", "SIGSEGV", "SIGABRT", "SIGTERM", "SIGBUS"]
+# Signals that end a process on delivery: kill -> noticed is the detection latency.
+# (SIGTERM waits for the runner's handler, which a busy C call delays.)
+IMMEDIATE = {"SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS"}
+# Errors that name a cause: anything else (timeouts, protocol errors) is a failure.
+CAUSED_ERRORS = {"runner_died", "not_ready", "unknown_model", "already_loaded", "load_failed"}
+
+CONFIG = """
+restart_backoff_s = 0.2
+restart_backoff_cap_s = 2.0
+max_restarts = 20
+restart_window_s = 60.0
+decode_stall_s = 2.0
+prefill_stall_s = 5.0
+ping_timeout_s = 3.0
+stall_kill_grace_s = 0.5
+queue_timeout_s = 30.0
+shutdown_grace_s = 2.0
+term_grace_s = 1.0
+"""
+
+
+@dataclass
+class Kill:
+    at: float  # wall clock, to compare with the daemon's log timestamps
+    pid: int
+    model: str
+    state: str
+    signal: str
+
+
+@dataclass
+class SoakResult:
+    duration_s: float
+    requests: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    bad_errors: list[str] = field(default_factory=list)
+    kills: list[Kill] = field(default_factory=list)
+    detection_ms: list[float] = field(default_factory=list)
+    recovery_ms: list[float] = field(default_factory=list)
+    invariants: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # t, fds, rss
+    lingering_zombies: set[int] = field(default_factory=set)  # zombies in 2 samples running
+
+    @property
+    def passed(self) -> bool:
+        return all(ok for ok, _ in self.invariants.values())
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def log_time(record: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(record["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+class Soak:
+    def __init__(self, duration_s: float, seed: int, workdir: Path) -> None:
+        self.duration_s = duration_s
+        self.random = random.Random(seed)
+        self.workdir = workdir
+        self.result = SoakResult(duration_s)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.seen_pids: set[int] = set()
+        self.daemon: DaemonProcess | None = None
+        self.client: Client | None = None
+
+    # --- workers ---------------------------------------------------------------
+
+    def client_loop(self, index: int) -> None:
+        assert self.client is not None
+        rng = random.Random(self.random.random())
+        while not self.stop.is_set():
+            name = rng.choice([*MODELS, HANGY, CHURN])
+            mode = rng.choices(["full", "cancel", "abandon"], weights=[6, 2, 1])[0]
+            try:
+                with self.client.generate(
+                    name, f"client {index} says", max_tokens=rng.randint(5, 60)
+                ) as gen:
+                    for n, _ in enumerate(gen):
+                        if mode == "cancel" and n == 3:
+                            gen.cancel()
+                        if mode == "abandon" and n == 3:
+                            break
+                outcome = "abandoned" if mode == "abandon" and gen.done is None else "completed"
+                if gen.done is not None and gen.done.finish_reason == "cancelled":
+                    outcome = "cancelled"
+                self.count_request(outcome)
+            except ClientError as exc:
+                self.count_error(exc)
+
+    def churn_loop(self) -> None:
+        assert self.client is not None
+        while not self.stop.is_set():
+            try:
+                self.client.load("builtin:tiny", CHURN)
+                self.client.generate_text(CHURN, "churn", max_tokens=10)
+                self.client.unload(CHURN)
+                self.count_request("churn_cycle")
+            except ClientError as exc:
+                self.count_error(exc)
+                if exc.code in ("already_loaded", "runner_died"):
+                    try:
+                        self.client.unload(CHURN)
+                    except ClientError as again:
+                        self.count_error(again)
+
+    def chaos_loop(self) -> None:
+        assert self.client is not None
+        while not self.stop.wait(self.random.uniform(1.0, 2.5)):  # the chaos cadence
+            try:
+                status = self.client.status()
+            except ClientError as exc:
+                self.count_error(exc)
+                continue
+            targets = [(r.pid, r.name, r.state) for r in status.runners if r.pid]
+            if status.spare is not None:
+                targets.append((status.spare.pid, "(spare)", "spare"))
+            if not targets:
+                continue
+            pid, name, state = self.random.choice(targets)
+            signame = self.random.choice(SIGNALS)
+            kill = Kill(time.time(), pid, name, state, signame)
+            try:
+                os.kill(pid, signal.Signals[signame])
+            except ProcessLookupError:
+                continue
+            with self.lock:
+                self.result.kills.append(kill)
+
+    def monitor_loop(self) -> None:
+        assert self.daemon is not None and self.client is not None
+        daemon = psutil.Process(self.daemon.pid)
+        started = time.monotonic()
+        previous_zombies: set[int] = set()
+        while not self.stop.wait(1.0):  # one sample a second
+            try:
+                children = daemon.children()
+                zombies = set()
+                for child in children:
+                    try:
+                        if child.status() == psutil.STATUS_ZOMBIE:
+                            zombies.add(child.pid)
+                    except psutil.NoSuchProcess:
+                        pass
+                with self.lock:
+                    self.seen_pids.update(c.pid for c in children)
+                    # A zombie for an instant is a death not yet reaped; one that is
+                    # still there a second later was never reaped.
+                    self.result.lingering_zombies |= zombies & previous_zombies
+                    self.result.samples.append(
+                        (time.monotonic() - started, daemon.num_fds(), daemon.memory_info().rss)
+                    )
+                previous_zombies = zombies
+            except psutil.NoSuchProcess:
+                return
+
+    def count_request(self, outcome: str) -> None:
+        with self.lock:
+            self.result.requests[outcome] += 1
+
+    def count_error(self, exc: ClientError) -> None:
+        with self.lock:
+            self.result.errors[exc.code] += 1
+            if exc.code not in CAUSED_ERRORS or not exc.message:
+                self.result.bad_errors.append(f"{exc.code}: {exc.message}")
+
+    # --- the run -----------------------------------------------------------------
+
+    def run(self) -> SoakResult:
+        config = self.workdir / "soak.toml"
+        config.write_text(CONFIG)
+        env = {"XDG_STATE_HOME": str(self.workdir / "state")}
+        daemon = DaemonProcess(self.workdir / "soak.sock", config, env=env).start()
+        self.daemon = daemon
+        self.client = Client(daemon.socket_path, timeout_s=REQUEST_TIMEOUT_S)
+        inv = self.result.invariants
+        try:
+            for name in MODELS:
+                self.client.load("builtin:tiny", name)
+            self.client.load(
+                "builtin:tiny", HANGY, env={"MLX_SUPERVISOR_FAULTS": "hang_random=0.003:c"}
+            )
+            workers = [threading.Thread(target=self.client_loop, args=(i,)) for i in range(CLIENTS)]
+            workers += [
+                threading.Thread(target=self.churn_loop),
+                threading.Thread(target=self.chaos_loop),
+                threading.Thread(target=self.monitor_loop),
+            ]
+            for worker in workers:
+                worker.start()
+            self.stop.wait(self.duration_s)  # the soak's length
+            self.stop.set()
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S + 10
+            for worker in workers:
+                worker.join(max(0.1, deadline - time.monotonic()))
+            hung = [w.name for w in workers if w.is_alive()]
+            inv["every request ended"] = (
+                not hung,
+                f"threads still waiting: {hung}" if hung else "",
+            )
+            inv["errors all name a cause"] = (
+                not self.result.bad_errors,
+                "; ".join(self.result.bad_errors[:3]),
+            )
+            inv["supervisor alive throughout"] = (daemon.process.poll() is None, "")  # type: ignore[union-attr]
+            self.check_recovered(inv)
+            self.result.counters = self.client.status().counters
+            self.measure_latencies()
+            self.check_growth(inv)
+            lingering = sorted(self.result.lingering_zombies)
+            inv["zero zombies (none left unreaped for 1 s)"] = (
+                not lingering,
+                f"pids: {lingering}" if lingering else "",
+            )
+        finally:
+            ack_ok = False
+            try:
+                self.client.shutdown()
+                ack_ok = daemon.wait(60) == 0
+            except (ClientError, Exception):
+                daemon.kill()
+            inv["clean shutdown (exit 0)"] = (ack_ok, "")
+            alive = [pid for pid in self.seen_pids if psutil.pid_exists(pid)
+                     and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+            inv["zero processes left after shutdown"] = (
+                not alive,
+                f"alive: {alive}" if alive else "",
+            )
+        return self.result
+
+    def check_recovered(self, inv: dict[str, tuple[bool, str]]) -> None:
+        """After the chaos stops, every model gets back to ready (or is failed
+        with its restart budget truly spent)."""
+        assert self.client is not None and self.daemon is not None
+        client = self.client
+
+        def settled() -> bool:
+            runners = client.status().runners
+            return all(r.state == "ready" or (r.state == "failed" and r.failure) for r in runners
+                       if r.name != CHURN)  # fmt: skip
+
+        try:
+            self.daemon.wait_until(settled, timeout_s=60)
+            ok, detail = True, ""
+        except TimeoutError:
+            ok, detail = False, "not settled within 60 s"
+        states = {r.name: r.state for r in client.status().runners}
+        failed = [n for n, s in states.items() if s == "failed"]
+        inv["every runner back to ready (or failed: budget spent)"] = (
+            ok,
+            detail or (f"failed: {failed}" if failed else "all ready"),
+        )
+
+    def measure_latencies(self) -> None:
+        """Kill -> noticed (the daemon's runner_exited) and kill -> ready again."""
+        assert self.daemon is not None
+        exited = {}
+        ready: dict[str, list[float]] = {}
+        for line in list(self.daemon.log_lines):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == "runner_exited":
+                exited.setdefault(record.get("runner_pid"), log_time(record))
+            elif record.get("event") == "model_ready":
+                ready.setdefault(str(record.get("model")), []).append(log_time(record))
+        for kill in self.result.kills:
+            noticed = exited.get(kill.pid)
+            if kill.signal in IMMEDIATE and noticed is not None and noticed >= kill.at - 0.01:
+                self.result.detection_ms.append(max(0.0, (noticed - kill.at) * 1000))
+            if kill.model in MODELS or kill.model == HANGY:
+                after = [t for t in ready.get(kill.model, []) if t > kill.at]
+                if after:
+                    self.result.recovery_ms.append((after[0] - kill.at) * 1000)
+
+    def check_growth(self, inv: dict[str, tuple[bool, str]]) -> None:
+        samples = self.result.samples
+        if len(samples) < 6:
+            inv["fd count and RSS flat after warm-up"] = (True, "too short to judge")
+            return
+        warm = samples[len(samples) // 4 : len(samples) // 4 + 5]
+        tail = samples[-5:]
+        fd_before = statistics.median(s[1] for s in warm)
+        fd_after = statistics.median(s[1] for s in tail)
+        rss_before = statistics.median(s[2] for s in warm)
+        rss_after = statistics.median(s[2] for s in tail)
+        ok = fd_after <= fd_before * 1.05 + 2 and rss_after <= rss_before * 1.05
+        detail = (f"fds {fd_before:.0f} -> {fd_after:.0f}, "
+                  f"rss {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB")  # fmt: skip
+        inv["fd count and RSS flat after warm-up"] = (ok, detail)
+
+
+def tally(counts: Counter[str] | dict[str, int]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in sorted(counts.items()))
+
+
+def report(result: SoakResult) -> str:
+    """The invariants and figures as markdown tables."""
+    lines = [
+        f"soak: {result.duration_s:.0f} s",
+        "",
+        "invariant | result | detail",
+        "--- | --- | ---",
+    ]
+    for name, (ok, detail) in result.invariants.items():
+        lines.append(f"{name} | {'PASS' if ok else 'FAIL'} | {detail}")
+    det, rec = result.detection_ms, result.recovery_ms
+    counters = result.counters
+    lines += [
+        "",
+        "count | value",
+        "--- | ---",
+        f"kills | {len(result.kills)} ({tally(Counter(k.signal for k in result.kills))})",
+        f"kills by runner state | {tally(Counter(k.state for k in result.kills))}",
+        f"restarts | {counters.get('restarts', 0)}",
+        f"retried requests | {counters.get('requests_retried', 0)}",
+        f"models failed (budget spent) | {counters.get('failed', 0)}",
+        f"requests | {tally(result.requests)}",
+        f"errors (all naming a cause) | {tally(result.errors)}",
+        f"detection kill->noticed ({'/'.join(sorted(IMMEDIATE))}) | "
+        f"p50 {percentile(det, 50):.1f} ms, p99 {percentile(det, 99):.1f} ms (n={len(det)})",
+        f"recovery kill->ready | "
+        f"p50 {percentile(rec, 50):.0f} ms, p99 {percentile(rec, 99):.0f} ms (n={len(rec)})",
+    ]
+    return "\n".join(lines)
+
+
+def to_json(result: SoakResult) -> dict[str, Any]:
+    return {
+        "duration_s": result.duration_s,
+        "passed": result.passed,
+        "invariants": {k: {"ok": ok, "detail": d} for k, (ok, d) in result.invariants.items()},
+        "kills": len(result.kills),
+        "kills_by_signal": dict(Counter(k.signal for k in result.kills)),
+        "kills_by_state": dict(Counter(k.state for k in result.kills)),
+        "counters": result.counters,
+        "requests": dict(result.requests),
+        "errors": dict(result.errors),
+        "detection_ms": {
+            "p50": percentile(result.detection_ms, 50),
+            "p99": percentile(result.detection_ms, 99),
+            "n": len(result.detection_ms),
+        },
+        "recovery_ms": {
+            "p50": percentile(result.recovery_ms, 50),
+            "p99": percentile(result.recovery_ms, 99),
+            "n": len(result.recovery_ms),
+        },
+    }
+
+
+def run_soak(duration_s: float, seed: int = 0) -> SoakResult:
+    with tempfile.TemporaryDirectory(prefix="mlx-supervisor-soak-") as tmp:
+        return Soak(duration_s, seed, Path(tmp)).run()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of chaos")
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    print(f"soak for {args.duration:.0f} s (seed {args.seed}) ...", flush=True)
+    result = run_soak(args.duration, args.seed)
+    print(report(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(to_json(result), indent=2))
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
