@@ -64,7 +64,8 @@ def test_daemon_shutdown_escalates_runners_in_parallel(start_daemon: DaemonFacto
     kinds = [
         r["event"]
         for r in map(daemon_record, daemon.log_lines)
-        if r and r.get("event") in ("escalate_sigkill", "runner_reaped")
+        if r
+        and r.get("event") in ("escalate_sigkill", "runner_reaped")
         and r.get("model") in ("a", "b")
     ]
     assert kinds[:2] == ["escalate_sigkill", "escalate_sigkill"], kinds

@@ -37,6 +37,16 @@ def wait_for_state(client: Client, name: str, states: set[str], daemon: DaemonPr
     daemon.wait_until(lambda: runner(client, name).state in states)
 
 
+def kill_into_backoff(client: Client, daemon: DaemonProcess, name: str) -> None:
+    """Kill the runner twice: the first restart is immediate, the second waits
+    ``restart_backoff_s``; return once the model waits in ``restarting``."""
+    os.kill(runner(client, name).pid, signal.SIGKILL)  # type: ignore[arg-type]
+    daemon.wait_until(lambda: runner(client, name).restarts == 1)
+    daemon.wait_until(lambda: runner(client, name).state == "ready")
+    os.kill(runner(client, name).pid, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for_state(client, name, {"restarting"}, daemon)
+
+
 # --- restarts -----------------------------------------------------------------
 
 
@@ -116,9 +126,8 @@ def test_restart_never_leaves_model_crashed(start_daemon: DaemonFactory) -> None
 def test_unload_calls_off_a_pending_restart(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon("restart_backoff_s = 30\n")
     client = Client(daemon.socket_path)
-    loaded = client.load("builtin:tiny")
-    os.kill(loaded.pid, signal.SIGKILL)
-    wait_for_state(client, "tiny", {"restarting"}, daemon)
+    client.load("builtin:tiny")
+    kill_into_backoff(client, daemon, "tiny")
     info = runner(client, "tiny")
     assert info.next_restart_at is not None and info.next_restart_at > time.time() + 20
     started = time.monotonic()
@@ -202,9 +211,8 @@ def test_queued_requests_wait_for_the_restart(start_daemon: DaemonFactory) -> No
 def test_queue_timeout_bounds_the_wait(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon("queue_timeout_s = 0.5\nrestart_backoff_s = 30\n")
     client = Client(daemon.socket_path)
-    loaded = client.load("builtin:tiny")
-    os.kill(loaded.pid, signal.SIGKILL)
-    wait_for_state(client, "tiny", {"restarting"}, daemon)
+    client.load("builtin:tiny")
+    kill_into_backoff(client, daemon, "tiny")
     started = time.monotonic()
     with pytest.raises(ClientError) as excinfo:
         client.generate_text("tiny", PROMPT, max_tokens=5)

@@ -258,10 +258,18 @@ ServerMessage = (
 # --- supervisor -> runner ----------------------------------------------------
 
 
+FAULTS_ENV = "MLX_SUPERVISOR_FAULTS"
+"""Environment variable with a runner's fault-injection settings (test tooling)."""
+
+
 class LoadModel(msgspec.Struct, tag="load_model"):
+    """Load ``model``. ``faults`` adds fault injection (see runner.faults) to a
+    runner that was started without it, such as the hot spare."""
+
     name: str
     model: str
     max_tokens_cap: int | None = None
+    faults: str = ""
 
 
 class Generate(msgspec.Struct, tag="generate"):

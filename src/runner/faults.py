@@ -29,7 +29,10 @@ import random
 import signal
 import time
 
-FAULTS_ENV = "MLX_SUPERVISOR_FAULTS"
+from ipc.messages import FAULTS_ENV
+
+# Faults that only mean something when the process starts.
+START_ONLY = ("exit_in_handshake",)
 
 
 class InjectedFault(Exception):
@@ -53,6 +56,16 @@ class Faults:
         if once and os.path.exists(once):
             return cls("")
         return faults
+
+    def merged(self, spec: str) -> Faults:
+        """These faults plus those in ``spec`` (honouring ``once`` again)."""
+        if not spec:
+            return self
+        merged = Faults(",".join(filter(None, (self.spec, spec))))
+        once = merged.arg("once")
+        if once and os.path.exists(once):
+            return Faults("")
+        return merged
 
     def _fire(self) -> None:
         """Mark a ``once`` fault as spent, just before it acts."""

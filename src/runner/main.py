@@ -150,6 +150,9 @@ class Runner:
 
         self.name = command.name
         self.max_tokens_cap = command.max_tokens_cap
+        self.faults = self.faults.merged(command.faults)
+        if "ignore_sigterm" in self.faults:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         structlog.contextvars.bind_contextvars(model=command.name)
 
         def progress(phase: str, done: int, total: int) -> None:

@@ -53,7 +53,7 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prefill_stall_s: float = 120.0
     decode_stall_s: float = 30.0
     ping_timeout_s: float = 10.0
-    stall_kill_grace_s: float = 1.0
+    stall_kill_grace_s: float = 0.5
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True

@@ -22,8 +22,8 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from ipc import ChannelClosed
-from ipc.messages import Cancel as CancelCommand
 from ipc.messages import (
+    FAULTS_ENV,
     ErrorCode,
     ExitInfo,
     Generate,
@@ -41,6 +41,7 @@ from ipc.messages import (
     TextChunk,
     Unloaded,
 )
+from ipc.messages import Cancel as CancelCommand
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
@@ -365,7 +366,8 @@ class Registry:
 
     async def _load_model(self, entry: ModelEntry, handle: RunnerHandle) -> None:
         spec = entry.spec
-        await handle.send(LoadModel(spec.name, spec.model, spec.max_tokens))
+        faults = spec.env.get(FAULTS_ENV, "")
+        await handle.send(LoadModel(spec.name, spec.model, spec.max_tokens, faults))
         while True:
             event = await handle.next_event()
             if isinstance(event, LoadProgress):

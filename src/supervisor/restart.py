@@ -5,7 +5,8 @@ OTP vocabulary: each model is a child with a *restart strategy*
 ``max_restarts`` restarts within ``restart_window_s``; one more and the model
 is ``failed`` until an explicit load. The window slides, so a runner that
 stays up for a whole window has its budget back (exo's never resets).
-Between attempts the delay doubles from ``restart_backoff_s`` up to a cap.
+The first restart in a window is immediate (as in OTP); each further one
+waits ``restart_backoff_s``, doubling up to a cap, so a crash loop backs off.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class RestartTracker:
                 f"{self.intensity.window_s:g}s (last: {exit.cause})",
                 budget_spent=True,
             )
-        delay = min(self.intensity.backoff_cap_s, self.intensity.backoff_s * 2**count)
+        delay = (
+            0.0
+            if count == 0
+            else min(self.intensity.backoff_cap_s, self.intensity.backoff_s * 2 ** (count - 1))
+        )
         self._recent.append(now)
         return RestartDecision(delay, f"restart {count + 1} in {delay:g}s after: {exit.cause}")

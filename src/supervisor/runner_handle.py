@@ -252,6 +252,7 @@ class RunnerHandle:
                     )
                 elif isinstance(event, Started):
                     self.warm.set()
+                    self.log.info("runner_warm", import_s=round(event.import_s, 3))
                 elif not isinstance(event, Pong | Heartbeat):
                     self._events_in.send_nowait(event)
             await self.exited.wait()  # so RunnerGone can carry the exit status

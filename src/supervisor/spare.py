@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import structlog
 
-from ipc.messages import SpareInfo
+from ipc.messages import FAULTS_ENV, SpareInfo
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.runner_handle import RunnerHandle, RunnerStartError
 from supervisor.system import process_rss
@@ -38,6 +38,13 @@ async def first_of(*events: anyio.Event) -> None:
             tg.start_soon(wait, event)
 
 
+def spare_fits(spec: ModelConfig) -> bool:
+    """Whether a runner started without ``spec.env`` can serve ``spec``."""
+    if set(spec.env) - {FAULTS_ENV}:
+        return False
+    return "exit_in_handshake" not in spec.env.get(FAULTS_ENV, "")
+
+
 class HotSpare:
     """Keeps one warm runner ready to be handed a model.
 
@@ -56,10 +63,11 @@ class HotSpare:
         """The spare, adopted by ``spec``, or None if there is no live one.
 
         A model with its own environment needs a fresh process (the
-        environment is fixed at exec), so it gets None.
+        environment is fixed at exec), so it gets None; fault injection is the
+        exception, as it also travels in the LoadModel message.
         """
         spare = self.current
-        if spare is None or spec.env or not spare.alive:
+        if spare is None or not spare.alive or not spare_fits(spec):
             return None
         self.current = None
         spare.adopt(spec)
