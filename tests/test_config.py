@@ -17,16 +17,23 @@ def test_shipped_config_decodes_to_the_defaults() -> None:
     assert load_config(CONFIGS / "mlx-supervisor.toml") == SupervisorConfig()
 
 
+def test_shipped_config_names_every_key() -> None:
+    text = (CONFIGS / "mlx-supervisor.toml").read_text()
+    for key in SupervisorConfig.__struct_fields__:
+        assert f"{key} =" in text or f"# {key} =" in text or key == "models", key
+
+
 def test_shipped_config_commented_model_table_is_valid(tmp_path: Path) -> None:
     text = (CONFIGS / "mlx-supervisor.toml").read_text()
     uncommented = text.replace("# [[models]]", "[[models]]")
-    for key in ("name", "model", "max_tokens", "preload", "env"):
+    for key in ("name", "model", "max_tokens", "preload", "restart", "env"):
         uncommented = uncommented.replace(f"# {key} ", f"{key} ")
     path = tmp_path / "c.toml"
     path.write_text(uncommented)
     (model,) = load_config(path).models
     assert model.name == "qwen" and model.max_tokens == 4096
     assert model.env == {"MLX_METAL_FAST_SYNCH": "1"}
+    assert model.restart == "on-failure"
 
 
 def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -63,10 +63,8 @@ def test_daemon_shutdown_escalates_runners_in_parallel(start_daemon: DaemonFacto
     # Both runners were SIGKILLed before either was reaped: the escalations overlapped.
     kinds = [
         r["event"]
-        for r in map(daemon_record, daemon.log_lines)
-        if r
-        and r.get("event") in ("escalate_sigkill", "runner_reaped")
-        and r.get("model") in ("a", "b")
+        for r in daemon.records()
+        if r.get("event") in ("escalate_sigkill", "runner_reaped") and r.get("model") in ("a", "b")
     ]
     assert kinds[:2] == ["escalate_sigkill", "escalate_sigkill"], kinds
 
@@ -79,13 +77,3 @@ def test_unload_during_generation_ends_the_request_as_cancelled(graced: Client) 
         list(gen)
     assert unloaded.steps == ["shutdown"]
     assert gen.done is not None and gen.done.finish_reason == "cancelled"
-
-
-def daemon_record(line: str) -> dict[str, object] | None:
-    import json
-
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None

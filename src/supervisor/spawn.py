@@ -132,14 +132,13 @@ class DaemonProcess:
             if remaining <= 0 or not self.wait_for_lines(seen, remaining):
                 raise TimeoutError(f"condition not met within {timeout_s}s")
 
+    def records(self) -> list[dict[str, object]]:
+        """The daemon's JSON log records so far, oldest first."""
+        return [record for line in list(self.log_lines) if (record := _parse(line)) is not None]
+
     def events(self, name: str) -> list[dict[str, object]]:
         """The daemon's log records with event ``name``, oldest first."""
-        records = []
-        for line in list(self.log_lines):
-            record = _parse(line)
-            if record is not None and record.get("event") == name:
-                records.append(record)
-        return records
+        return [record for record in self.records() if record.get("event") == name]
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (graceful shutdown) and wait; returns the exit code."""
