@@ -134,18 +134,58 @@ def short(model: str) -> str:
     return model.removeprefix("builtin:") if is_builtin(model) else Path(model).name
 
 
-def available() -> int:
-    return int(psutil.virtual_memory().available)
+_ZONEINFO = Path("/proc/zoneinfo")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def available_now(samples: int = 5) -> int:
-    """Median of a few readings of system available memory, 10 ms apart."""
+def pcp_free_bytes() -> int:
+    """Free pages parked on Linux's per-CPU page lists (0 elsewhere).
+
+    The kernel frees pages to per-CPU lists first and drains them to the buddy
+    allocator later; ``MemFree`` and ``MemAvailable`` do not count them. Since the
+    lists are auto-tuned (Linux 6.7+) they can hold a hundred MB or more per CPU
+    right after a big process exits.
+    """
+    try:
+        text = _ZONEINFO.read_text()
+    except OSError:
+        return 0
+    pages = 0
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(":")
+        if key == "count":  # only the per-CPU pagesets have a "count"
+            pages += int(value)
+    return pages * _PAGE_SIZE
+
+
+@dataclass(frozen=True)
+class Reading:
+    """System available memory (psutil), and free pages on the per-CPU lists."""
+
+    available: int
+    pcp: int
+
+    @property
+    def counted(self) -> int:
+        """Available memory including the per-CPU lists' free pages."""
+        return self.available + self.pcp
+
+
+def reading() -> Reading:
+    return Reading(int(psutil.virtual_memory().available), pcp_free_bytes())
+
+
+def available_now(samples: int = 5) -> Reading:
+    """Median of a few readings, 10 ms apart."""
     readings = []
     for index in range(samples):
         if index:
             time.sleep(MEMORY_INTERVAL_S)
-        readings.append(available())
-    return int(statistics.median(readings))
+        readings.append(reading())
+    return Reading(
+        int(statistics.median(r.available for r in readings)),
+        int(statistics.median(r.pcp for r in readings)),
+    )
 
 
 def rss(pid: int) -> int | None:
@@ -505,15 +545,15 @@ def bench_ttft(
             "p99": percentile(values, 99),
         }
 
-    inproc, daemon, e2e = column("inproc_s"), column("daemon_s"), column("daemon_e2e_s")
-    result = {
+    inproc_s, daemon_s = column("inproc_s"), column("daemon_s")
+    result: dict[str, Any] = {
         "model": model,
         "pairs": pairs,
         "max_tokens": max_tokens,
         "prompt": TTFT_PROMPT,
-        "inproc": summary(inproc),
-        "daemon": summary(daemon),
-        "daemon_e2e": summary(e2e),
+        "inproc": summary(inproc_s),
+        "daemon": summary(daemon_s),
+        "daemon_e2e": summary(column("daemon_e2e_s")),
         "runner": summary(column("runner_s")),
         # headline: per-pair differences (each daemon request minus the in-process one
         # next to it), then their percentiles
@@ -521,8 +561,8 @@ def bench_ttft(
         "paired_diff_e2e": summary(diffs("daemon_e2e_s")),
         # the other reading: percentile of one distribution minus that of the other
         "distribution_diff": {
-            "p50": percentile(daemon, 50) - percentile(inproc, 50),
-            "p99": percentile(daemon, 99) - percentile(inproc, 99),
+            "p50": percentile(daemon_s, 50) - percentile(inproc_s, 50),
+            "p99": percentile(daemon_s, 99) - percentile(inproc_s, 99),
         },
         # the two hops alone: client-seen TTFT minus the runner's own TTFT
         "hops_only": summary([r["daemon_s"] - r["runner_s"] for r in rows]),
@@ -627,29 +667,43 @@ def share(before: int, loaded: int, after: int) -> float | None:
     return (after - loaded) / taken if taken > 0 else None
 
 
-def watch_return(before: int, loaded: int, since: float) -> dict[str, Any]:
-    """Sample available memory for MEMORY_WINDOW_S after ``since``; keep the last."""
-    samples: list[tuple[float, int]] = []
+def watch_return(before: Reading, loaded: Reading, since: float) -> dict[str, Any]:
+    """Sample memory for MEMORY_WINDOW_S after ``since``; keep the last sample.
+
+    The top-level figures use psutil's available memory alone (the definition);
+    ``with_pcp`` the same with the per-CPU lists' free pages counted as free.
+    """
+    samples: list[tuple[float, Reading]] = []
     deadline = since + MEMORY_WINDOW_S
     while True:
         now = time.perf_counter()
-        samples.append((now - since, available()))
+        samples.append((now - since, reading()))
         if now >= deadline:
             break
         time.sleep(min(MEMORY_INTERVAL_S, max(0.0, deadline - now)))
-    within = next(
-        (t for t, value in samples if (share(before, loaded, value) or 0.0) >= MEMORY_WITHIN),
-        None,
-    )
-    last = samples[-1][1]
+
+    def figures(value: Callable[[Reading], int]) -> dict[str, Any]:
+        b, lo = value(before), value(loaded)
+        within = next(
+            (t for t, r in samples if (share(b, lo, value(r)) or 0.0) >= MEMORY_WITHIN), None
+        )
+        last = value(samples[-1][1])
+        return {
+            "before": b,
+            "loaded": lo,
+            "taken": b - lo,
+            "after": last,
+            "share": share(b, lo, last),
+            "within_99_s": within,
+            "min": min(value(r) for _, r in samples),
+            "max": max(value(r) for _, r in samples),
+        }
+
     return {
-        "after": last,
-        "share": share(before, loaded, last),
+        **figures(lambda r: r.available),
         "first_sample_s": samples[0][0],
-        "within_99_s": within,
         "samples": len(samples),
-        "min": min(v for _, v in samples),
-        "max": max(v for _, v in samples),
+        "with_pcp": figures(lambda r: r.counted),
     }
 
 
@@ -678,9 +732,6 @@ def memory_round_daemon(d: Daemon, model: str, tokens: int) -> dict[str, Any]:
     window = watch_return(before, loaded, returned)
     tree_after = tree_rss(daemon_pid)
     return {
-        "before": before,
-        "loaded": loaded,
-        "taken": before - loaded,
         **window,
         # the same share from the RSS of the daemon's process tree: blind to the rest
         # of the machine, so other people's processes cannot move it
@@ -707,12 +758,9 @@ def memory_round_inproc(path: Path, tokens: int, log_path: Path) -> dict[str, An
         released = w.request("release", key="m")
         window = watch_return(before, loaded, time.perf_counter())
         rss_after = rss(w.pid)
-    after_exit = available_now()
+    after_exit = available_now().available
     grown = rss_loaded - rss_before if rss_loaded and rss_before else None
     return {
-        "before": before,
-        "loaded": loaded,
-        "taken": before - loaded,
         **window,
         "rss_before_load": rss_before,
         "rss_loaded": rss_loaded,
@@ -725,32 +773,81 @@ def memory_round_inproc(path: Path, tokens: int, log_path: Path) -> dict[str, An
         "mlx_active_after_release": released["active_bytes"],
         "mlx_cache_after_release": released["cache_bytes"],
         "after_exit": after_exit,
-        "share_after_exit": share(before, loaded, after_exit),
+        "share_after_exit": share(before.available, loaded.available, after_exit),
     }
+
+
+_CALIBRATION_CHILD = """
+import sys
+import numpy as np
+sys.stdin.readline()
+block = np.ones({size} // 8)  # touched: every page is really allocated
+print("allocated", flush=True)
+sys.stdin.readline()
+del block  # a block this big is its own mmap: free() unmaps it at once
+print("freed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def memory_round_meter(size: int) -> dict[str, Any]:
+    """The same share for memory that certainly goes back at once: a numpy block of
+    ``size`` bytes, allocated and freed in a child. Shows how well available memory,
+    as this machine reports it, can measure the rounds above."""
+    code = _CALIBRATION_CHILD.format(size=size)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdin is not None and process.stdout is not None
+
+    def step() -> None:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write("\n")
+        process.stdin.flush()
+        process.stdout.readline()
+
+    try:
+        before = available_now()
+        step()
+        loaded = available_now()
+        step()
+        window = watch_return(before, loaded, time.perf_counter())
+        process.stdin.write("\n")
+        process.stdin.flush()
+    finally:
+        process.stdin.close()
+        process.stdout.close()
+        if process.wait(10) != 0:
+            raise RuntimeError(f"the memory meter's child exited with {process.returncode}")
+    return {"size": size, **window}
 
 
 def bench_memory(
     d: Daemon, model: str, path: Path, rounds: int, tokens: int, tmp: Path
 ) -> dict[str, Any]:
-    daemon_rounds, inproc_rounds = [], []
+    daemon_rounds, inproc_rounds, meter_rounds = [], [], []
     for index in range(rounds):
         daemon_rounds.append(memory_round_daemon(d, model, tokens))
         log_path = tmp / f"memory-worker-{index}.log"
         d.settle()
         inproc_rounds.append(memory_round_inproc(path, tokens, log_path))
+        grown = inproc_rounds[-1]["rss_grown"] or daemon_rounds[-1]["taken"]
+        meter_rounds.append(memory_round_meter(max(grown, 1 << 20)))
         note(
             f"  memory round {index + 1}/{rounds}: share returned daemon "
             f"{_fmt(daemon_rounds[-1]['share'], '.3f')}, in-process "
-            f"{_fmt(inproc_rounds[-1]['share'], '.3f')}"
+            f"{_fmt(inproc_rounds[-1]['share'], '.3f')}, numpy meter check "
+            f"{_fmt(meter_rounds[-1]['share'], '.3f')}"
         )
 
     def med(items: list[dict[str, Any]], key: str) -> float | None:
-        values = [r[key] for r in items if r[key] is not None]
+        values = [r[key] for r in items if r.get(key) is not None]
         return float(statistics.median(values)) if values else None
 
     def summary(items: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "median_share": med(items, "share"),
+            "median_share_with_pcp": med([r["with_pcp"] for r in items], "share"),
             "median_rss_share": med(items, "rss_share"),
             "median_taken_bytes": med(items, "taken"),
             # over the rounds that got within 99% inside the window
@@ -769,6 +866,14 @@ def bench_memory(
             "median_rss_kept": med(inproc_rounds, "rss_kept"),
             "median_share_after_exit": med(inproc_rounds, "share_after_exit"),
             "rounds": inproc_rounds,
+        },
+        # a numpy block the size the worker grew by, allocated and freed in a child
+        "meter": {
+            **summary(meter_rounds),
+            "median_taken_of_size": float(
+                statistics.median(r["taken"] / r["size"] for r in meter_rounds)
+            ),
+            "rounds": meter_rounds,
         },
     }
 
@@ -1052,7 +1157,7 @@ def _load_rows(ld: dict[str, Any]) -> list[Row]:
 
 
 def _memory_rows(mem: dict[str, Any]) -> list[Row]:
-    daemon, inproc = mem["daemon"], mem["inproc"]
+    daemon, inproc, meter = mem["daemon"], mem["inproc"], mem["meter"]
     d_share, d_rss = daemon["median_share"], daemon["median_rss_share"]
     kept = f"of {_mib(inproc['median_rss_grown'])} grown"
     return [
@@ -1065,12 +1170,29 @@ def _memory_rows(mem: dict[str, Any]) -> list[Row]:
             _check(None if d_share is None else d_share >= MEMORY_SHARE_TARGET),
         ),
         (
+            "4 ... counting the kernel's per-CPU free page lists too",
+            _fmt(daemon["median_share_with_pcp"], ".3f"),
+            _fmt(inproc["median_share_with_pcp"], ".3f"),
+            f"meter check {_fmt(meter['median_share_with_pcp'], '.3f')}",
+            "",
+            "",
+        ),
+        (
             "4 ... same share by RSS (daemon's process tree / worker)",
             _fmt(daemon["median_rss_share"], ".3f"),
             _fmt(inproc["median_rss_share"], ".3f"),
             "blind to other processes",
             f">= {MEMORY_SHARE_TARGET}",
             _check(None if d_rss is None else d_rss >= MEMORY_SHARE_TARGET),
+        ),
+        (
+            "4 meter check: a numpy block that size, allocated+freed",
+            "",
+            "",
+            f"share {_fmt(meter['median_share'], '.3f')}; available fell by "
+            f"{_fmt(meter['median_taken_of_size'], '.0%')} of it",
+            "",
+            "",
         ),
         (
             "4 available memory taken by load+generate",

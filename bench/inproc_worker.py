@@ -50,8 +50,8 @@ def reply(message: dict[str, Any]) -> None:
 
 def load(models: Models, key: str, path: str) -> dict[str, Any]:
     started = time.perf_counter()
-    model, tokenizer = mlx_lm.load(path)
-    models[key] = (model, tokenizer)
+    loaded = mlx_lm.load(path)  # (model, tokenizer)
+    models[key] = (loaded[0], loaded[1])
     return {"load_s": time.perf_counter() - started, "active_bytes": mx.get_active_memory()}
 
 

@@ -412,15 +412,15 @@ def test_daemon_sigterm_stops_all_runners_and_exits_zero(daemon: DaemonProcess) 
     assert len(daemon.events("runner_reaped")) == 2
 
 
-def test_runners_die_within_two_seconds_of_daemon_sigkill(daemon: DaemonProcess) -> None:
+def test_runners_die_within_a_second_of_daemon_sigkill(daemon: DaemonProcess) -> None:
     client = Client(daemon.socket_path)
     pids = [client.load("builtin:tiny", name).pid for name in ("a", "b")]
     procs = [psutil.Process(pid) for pid in pids]
     os.kill(daemon.pid, signal.SIGKILL)
     daemon.wait()
     killed_at = time.monotonic()
-    gone, alive = psutil.wait_procs(procs, timeout=2.0)
+    gone, alive = psutil.wait_procs(procs, timeout=1.0)
     assert not alive, f"orphaned runners: {[p.pid for p in alive]}"
-    assert time.monotonic() - killed_at < 2.0
+    assert time.monotonic() - killed_at < 1.0
     # Their parent is gone, so nobody reaps them but init; wait_procs saw them end.
     assert len(gone) == 2
