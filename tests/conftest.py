@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,6 +118,35 @@ def assert_reaped(pid: int) -> None:
         return
     status = proc.status()
     raise AssertionError(f"pid {pid} still exists with status {status}")
+
+
+def wait_exited(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until every pid has exited (a zombie has exited: its memory is gone,
+    only its parent's reaping is left). Returns the pids still running.
+
+    On Linux a pidfd becomes readable when the process exits, child or not.
+    """
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    fds: dict[int, int] = {}
+    try:
+        for pid in pids:
+            try:
+                fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                continue
+        pending = set(fds)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready, _, _ = select.select(list(pending), [], [], remaining)
+            pending -= set(ready)
+        return sorted(fds[fd] for fd in pending)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def env_without(*names: str) -> dict[str, str]:

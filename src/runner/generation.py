@@ -14,6 +14,8 @@ from mlx_lm.sample_utils import make_sampler
 from ipc.messages import FinishReason, Generate, GenerationDone, Heartbeat, TextChunk
 from runner.faults import Faults
 
+HEARTBEAT_INTERVAL_S = 0.5
+
 
 def build_prompt(tokenizer: Any, request: Generate) -> str | list[int]:
     """The prompt as mlx-lm takes it: raw text, or chat-templated token ids."""
@@ -60,8 +62,15 @@ def run_generation(
     response = None
     mx.reset_peak_memory()
 
+    last_beat = [received]
+
     def prefill_progress(processed: int, total: int) -> None:
-        send(Heartbeat("prefill", processed))
+        # Enough for the watchdog (whose timeouts are many seconds), without
+        # waking the supervisor for every prompt chunk.
+        now = time.perf_counter()
+        if now - last_beat[0] >= HEARTBEAT_INTERVAL_S:
+            last_beat[0] = now
+            send(Heartbeat("prefill", processed))
 
     for response in mlx_lm.stream_generate(
         model,

@@ -203,6 +203,7 @@ class Runner:
             log.error("generation_failed", request_id=request.request_id, error=repr(exc))
             self.channel.send(GenerationFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
         else:
+            self.channel.send(done)  # the client first, the log after
             log.info(
                 "generation_done",
                 request_id=request.request_id,
@@ -210,7 +211,6 @@ class Runner:
                 tps=round(done.generation_tps, 1),
                 finish_reason=done.finish_reason,
             )
-            self.channel.send(done)
         finally:
             with self._lock:
                 self.current_request = None

@@ -179,13 +179,14 @@ class Client:
     ) -> Generation:
         """Start a generation; iterate the result for text pieces."""
         request = generate_request(name, prompt, messages, max_tokens, temperature, top_p, seed)
+        started = time.perf_counter()
         channel = self.connect()
         try:
             channel.send(request)
         except OSError:
             channel.close()
             raise
-        return Generation(channel)
+        return Generation(channel, started)
 
     def generate_text(self, name: str, prompt: str, **kwargs: object) -> tuple[str, GenerationDone]:
         """Generate to the end; return the whole text and the final stats."""
@@ -215,12 +216,13 @@ def generate_request(
 class Generation:
     """A streaming generation: iterate for text; ``done`` holds the stats at the end.
 
-    ``ttft_s`` is measured here, from the request to the first text frame.
+    ``ttft_s`` is measured here, from the call (connect and handshake
+    included) to the first text frame.
     """
 
-    def __init__(self, channel: BlockingChannel[ServerMessage]) -> None:
+    def __init__(self, channel: BlockingChannel[ServerMessage], started: float) -> None:
         self._channel = channel
-        self._sent_at = time.perf_counter()
+        self._sent_at = started
         self.ttft_s: float | None = None
         self.tokens = 0
         self.done: GenerationDone | None = None

@@ -133,7 +133,10 @@ class Daemon:
         ]
         state = DaemonState(os.getpid(), str(self.socket_path), runners, self._desired_models)
         try:
-            self.state_file.save(state)
+            if runners or self._desired_models:
+                self.state_file.save(state)
+            else:  # nothing to remember: leave no file behind
+                self.state_file.path.unlink(missing_ok=True)
         except OSError as exc:
             log.error("state_save_failed", path=str(self.state_file.path), error=str(exc))
 

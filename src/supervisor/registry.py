@@ -115,7 +115,9 @@ class ModelEntry:
             return
         if new not in ALLOWED_MOVES[self.state]:
             raise RuntimeError(f"{self.name}: illegal state move {self.state} -> {new}")
-        log.info("model_state", model=self.name, old=self.state, new=new)
+        # ready <-> busy happens on every request: not worth an info line each time.
+        level = log.debug if {self.state, new} == {"ready", "busy"} else log.info
+        level("model_state", model=self.name, old=self.state, new=new)
         self.state = new
         self.state_changed.set()
         self.state_changed = anyio.Event()
@@ -225,9 +227,11 @@ class Registry:
             self.live_handles.add(handle)
             self.on_change()
             task_status.started(None)
-            await handle.exited.wait()
-        self.live_handles.discard(handle)
-        self.on_change()
+            try:
+                await handle.exited.wait()
+            finally:
+                self.live_handles.discard(handle)
+                self.on_change()
 
     async def _obtain_runner(self, spec: ModelConfig) -> RunnerHandle:
         """A runner for ``spec``: the hot spare if it fits, else a new process."""

@@ -227,6 +227,7 @@ class RunnerHandle:
             requested=self.stop_requested,
         )
         self.exited.set()
+        self._progress_event.set()  # wake the stall watchdog so it sees the exit
 
     async def _pump_events(self) -> None:
         """Forward runner events to ``next_event`` until the pipe closes."""
@@ -365,7 +366,10 @@ class RunnerHandle:
     async def _ping_when_idle(self) -> None:
         """Ping an idle runner so a hang between requests is noticed too."""
         while not self.exited.is_set():
-            await anyio.sleep(self.config.ping_interval_s)  # the ping period itself
+            with anyio.move_on_after(self.config.ping_interval_s):  # the ping period
+                await self.exited.wait()
+            if self.exited.is_set():
+                return
             if self.phase == "idle" and not self.stop_requested and self.channel is not None:
                 self._ping_seq += 1
                 try:
