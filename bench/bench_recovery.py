@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +46,35 @@ from supervisor.spawn import DaemonProcess
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "recovery.json"
 STALL_S = 2.0
+
+
+BARE_PROCESS = (
+    "import sys\n"
+    "block = bytearray(int(sys.argv[1]))\n"
+    "block[::4096] = b'x' * len(block[::4096])  # touch every page\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def bare_teardown_ms(rss_bytes: int) -> float:
+    """SIGKILL -> reaped for a plain python process holding ``rss_bytes``: the
+    kernel's own cost of tearing down that much memory, with no supervisor."""
+    size = max(0, rss_bytes - 10 * 2**20)  # python itself is ~10 MB
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BARE_PROCESS, str(size)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    started = time.perf_counter()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    elapsed = (time.perf_counter() - started) * 1000
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+    return elapsed
 
 
 def log_time(record: dict[str, Any]) -> float:
@@ -102,7 +132,7 @@ class Bench:
         plain: dict[str, list[float]] = {"spare": [], "no_spare": []}
         for label, spare in (("spare", "true"), ("no_spare", "false")):
             daemon, client = self.daemon(f"hot_spare = {spare}\n")
-            detect_log, detect_client, recover = [], [], []
+            detect_log, detect_client, recover, bare = [], [], [], []
             for i in range(self.rounds):
                 if spare == "true":
                     self.wait_spare(daemon, client)
@@ -113,8 +143,10 @@ class Bench:
                     self.wait_spare(daemon, client)
                 with client.generate(f"r{i}", "Hello", max_tokens=100_000) as gen:
                     next(gen)
-                    pid = next(r.pid for r in client.status().runners if r.name == f"r{i}")
-                    assert pid is not None
+                    info = next(r for r in client.status().runners if r.name == f"r{i}")
+                    pid = info.pid
+                    assert pid is not None and info.rss_bytes is not None
+                    rss = info.rss_bytes
                     killed_at = time.time()
                     os.kill(pid, signal.SIGKILL)
                     try:
@@ -126,7 +158,9 @@ class Bench:
                 ready = wait_event(daemon, "model_ready", killed_at, model=f"r{i}")
                 recover.append(ready - killed_at)
                 client.unload(f"r{i}")
+                bare.append(bare_teardown_ms(rss))
             results[label] = {
+                "bare_teardown_ms": bare,
                 "detect_log_ms": detect_log,
                 "detect_client_ms": detect_client,
                 "kill_to_ready_s": recover,
@@ -186,6 +220,14 @@ def run(model: str, rounds: int) -> dict[str, Any]:
         "stall_timeout_s": STALL_S,
         "detection_ms": summary(spare["detect_log_ms"] + no_spare["detect_log_ms"]),
         "detection_client_ms": summary(spare["detect_client_ms"] + no_spare["detect_client_ms"]),
+        "bare_teardown_ms": summary(spare["bare_teardown_ms"] + no_spare["bare_teardown_ms"]),
+        "detection_beyond_teardown_ms": summary(
+            [
+                d - b
+                for side in (spare, no_spare)
+                for d, b in zip(side["detect_log_ms"], side["bare_teardown_ms"], strict=True)
+            ]
+        ),
         "kill_to_ready_no_spare_ratio": statistics.median(no_spare["kill_to_ready_s"])
         / plain_no_spare,
         "kill_to_ready_spare_ratio": statistics.median(spare["kill_to_ready_s"]) / plain_no_spare,
@@ -208,6 +250,11 @@ def table(r: dict[str, Any]) -> str:
     rows = [
         ("death detection, kill -> daemon notices (p50 / p99)",
          f"{r['detection_ms']['p50']:.1f} / {r['detection_ms']['p99']:.1f} ms", "p99 < 50 ms"),
+        ("  the kernel alone: kill -> reaped, bare process of that RSS",
+         f"{r['bare_teardown_ms']['p50']:.1f} / {r['bare_teardown_ms']['p99']:.1f} ms", ""),
+        ("  the supervisor's part: detection - bare teardown (paired)",
+         f"{r['detection_beyond_teardown_ms']['p50']:.1f} / "
+         f"{r['detection_beyond_teardown_ms']['p99']:.1f} ms", ""),
         ("death detection, kill -> client gets the error (p50 / p99)",
          f"{r['detection_client_ms']['p50']:.1f} / {r['detection_client_ms']['p99']:.1f} ms", ""),
         ("kill -> ready / plain load (no spare)",

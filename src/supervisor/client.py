@@ -80,8 +80,9 @@ class Client:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
         self.timeout_s = timeout_s
 
-    def connect(self) -> BlockingChannel[ServerMessage]:
-        """Open a connection and shake hands.
+    def connect(self, first: ClientMessage | None = None) -> BlockingChannel[ServerMessage]:
+        """Open a connection and shake hands, sending ``first`` (the request)
+        along with our Hello.
 
         Raises:
             DaemonUnreachable: nothing listens on the socket.
@@ -105,7 +106,7 @@ class Client:
         fd = sock.detach()
         channel: BlockingChannel[ServerMessage] = BlockingChannel(fd, fd, Codec(ServerMessage))
         try:
-            channel.handshake("client", "supervisor", __version__)
+            channel.handshake("client", "supervisor", __version__, first)
         except (ProtocolError, ChannelClosed, OSError) as exc:
             channel.close()
             message = f"handshake with {self.socket_path} failed: {exc}"
@@ -118,9 +119,8 @@ class Client:
         expect: type[R],
         on_message: Callable[[ServerMessage], None] | None = None,
     ) -> R:
-        channel = self.connect()
+        channel = self.connect(request)
         try:
-            channel.send(request)
             while True:
                 reply = _recv(channel)
                 if isinstance(reply, expect):
@@ -180,13 +180,7 @@ class Client:
         """Start a generation; iterate the result for text pieces."""
         request = generate_request(name, prompt, messages, max_tokens, temperature, top_p, seed)
         started = time.perf_counter()
-        channel = self.connect()
-        try:
-            channel.send(request)
-        except OSError:
-            channel.close()
-            raise
-        return Generation(channel, started)
+        return Generation(self.connect(request), started)
 
     def generate_text(self, name: str, prompt: str, **kwargs: object) -> tuple[str, GenerationDone]:
         """Generate to the end; return the whole text and the final stats."""
