@@ -51,6 +51,9 @@ from supervisor.paths import default_socket_path
 R = TypeVar("R")
 
 
+_CODEC: Codec[ServerMessage] = Codec(ServerMessage)  # msgspec codecs are thread-safe
+
+
 class ClientError(Exception):
     """The daemon refused or failed a request; ``code`` is the protocol's."""
 
@@ -104,7 +107,7 @@ class Client:
                 "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
             ) from exc
         fd = sock.detach()
-        channel: BlockingChannel[ServerMessage] = BlockingChannel(fd, fd, Codec(ServerMessage))
+        channel: BlockingChannel[ServerMessage] = BlockingChannel(fd, fd, _CODEC)
         try:
             channel.handshake("client", "supervisor", __version__, first)
         except (ProtocolError, ChannelClosed, OSError) as exc:
@@ -278,7 +281,7 @@ class AsyncClient:
             raise DaemonUnreachable(
                 "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
             ) from exc
-        channel: AsyncChannel[ServerMessage] = AsyncChannel(stream, Codec(ServerMessage))
+        channel: AsyncChannel[ServerMessage] = AsyncChannel(stream, _CODEC)
         try:
             await channel.handshake("client", "supervisor", __version__)
         except (ProtocolError, ChannelClosed) as exc:

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
+from typing import Any
 
 import anyio
 import structlog
@@ -96,7 +97,7 @@ class ModelEntry:
     next_restart_at: float | None = None
     param_bytes: int | None = None
     queued: int = 0
-    request_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    request_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
     loaded: anyio.Event = field(default_factory=anyio.Event)  # first load decided
     stop_requested: anyio.Event = field(default_factory=anyio.Event)
     stopped: anyio.Event = field(default_factory=anyio.Event)  # supervising task ended
@@ -109,6 +110,13 @@ class ModelEntry:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def log(self) -> Any:
+        """A logger bound to the model and, once there is one, its runner's pid."""
+        if self.handle is not None:
+            return self.handle.log
+        return log.bind(model=self.name)
+
     def move(self, new: RunnerState) -> None:
         """Change state, refusing moves the lifecycle does not allow."""
         if new == self.state:
@@ -116,8 +124,8 @@ class ModelEntry:
         if new not in ALLOWED_MOVES[self.state]:
             raise RuntimeError(f"{self.name}: illegal state move {self.state} -> {new}")
         # ready <-> busy happens on every request: not worth an info line each time.
-        level = log.debug if {self.state, new} == {"ready", "busy"} else log.info
-        level("model_state", model=self.name, old=self.state, new=new)
+        level = self.log.debug if {self.state, new} == {"ready", "busy"} else self.log.info
+        level("model_state", old=self.state, new=new)
         self.state = new
         self.state_changed.set()
         self.state_changed = anyio.Event()
@@ -323,13 +331,13 @@ class Registry:
                     return  # the first load failed: the client hears why; no restarts
                 decision = entry.tracker.decide(exit_info, time.monotonic())
                 if decision.delay_s is None:
-                    log.error("restart_refused", model=entry.name, reason=decision.reason)
+                    entry.log.error("restart_refused", reason=decision.reason)
                     if decision.budget_spent:
                         entry.failure = decision.reason
                         entry.move("failed")
                         self.counters["failed"] += 1
                     return
-                log.warning("restart_scheduled", model=entry.name, reason=decision.reason)
+                entry.log.warning("restart_scheduled", reason=decision.reason)
                 entry.next_restart_at = time.time() + decision.delay_s
                 entry.move("restarting")
                 with anyio.move_on_after(decision.delay_s):  # the backoff, cut short by unload
@@ -394,14 +402,13 @@ class Registry:
                 entry.progress_listeners.clear()
                 if entry.state == "loading":
                     entry.move("ready")
-                    log.info("model_ready", model=spec.name, runner_pid=handle.pid,
-                             restarts=entry.restarts)  # fmt: skip
+                    entry.log.info("model_ready", restarts=entry.restarts)
                 entry.loaded.set()
                 return
             elif isinstance(event, LoadFailed):
                 entry.load_error = event.error
             else:
-                log.warning("unexpected_event", model=spec.name, event=type(event).__name__)
+                entry.log.warning("unexpected_event", event_type=type(event).__name__)
 
     # --- generate ------------------------------------------------------------
 
@@ -442,7 +449,7 @@ class Registry:
                         f"runner of {entry.name} died mid-request: {gone.exit.cause}",
                     ) from None
                 self.counters["requests_retried"] += 1
-                log.warning("request_retried", model=entry.name, cause=gone.exit.cause)
+                entry.log.warning("request_retried", cause=gone.exit.cause)
 
     async def _generate_once(
         self,
@@ -454,7 +461,7 @@ class Registry:
     ) -> None:
         deadline = anyio.current_time() + self.config.queue_timeout_s
         if entry.request_lock.locked() or entry.state != "ready":
-            log.info("request_waiting", model=entry.name, state=entry.state,
+            entry.log.info("request_waiting", state=entry.state,
                      ahead=entry.queued + entry.request_lock.locked())  # fmt: skip
         entry.queued += 1
         try:
@@ -536,7 +543,7 @@ class Registry:
                     except (ChannelClosed, anyio.BrokenResourceError, OSError):
                         client_gone = True
                         cancel.set()
-                        log.info("client_gone", model=entry.name, request_id=request_id)
+                        entry.log.info("client_gone", request_id=request_id)
                 if isinstance(event, GenerationDone):
                     return
             elif isinstance(event, GenerationFailed) and event.request_id == request_id:

@@ -120,7 +120,7 @@ class RunnerHandle:
         self.phase = "starting"
         self.progress = 0
         self.last_progress_at = time.monotonic()
-        self._progress_event = anyio.Event()
+        self._phase_changed = anyio.Event()
         self._ping_seq = 0
         self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
@@ -227,7 +227,7 @@ class RunnerHandle:
             requested=self.stop_requested,
         )
         self.exited.set()
-        self._progress_event.set()  # wake the stall watchdog so it sees the exit
+        self._phase_changed.set()  # wake the stall watchdog so it sees the exit
 
     async def _pump_events(self) -> None:
         """Forward runner events to ``next_event`` until the pipe closes."""
@@ -298,11 +298,12 @@ class RunnerHandle:
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
         self._note_progress()
+        self._phase_changed.set()  # the watchdog recomputes its deadline
 
     def _note_progress(self) -> None:
+        # Per token: a counter and a timestamp, no wake-up (the watchdog reads them).
         self.progress += 1
         self.last_progress_at = time.monotonic()
-        self._progress_event.set()
 
     def _track_progress(self, event: RunnerEvent) -> None:
         """Every event is progress; some also move the phase."""
@@ -329,15 +330,21 @@ class RunnerHandle:
         }[self.phase]
 
     async def _watch_stalls(self) -> None:
-        """Kill the runner when its phase goes without progress for too long."""
+        """Kill the runner when its phase goes without progress for too long.
+
+        Sleeps until the last progress plus the phase's timeout; progress only
+        moves that deadline, and a phase change (whose timeout may be shorter)
+        wakes it early.
+        """
         while not self.exited.is_set():
-            self._progress_event = anyio.Event()
             timeout = self.stall_timeout_s()
-            with anyio.move_on_after(timeout) as waiting:
-                await self._progress_event.wait()
-            if not waiting.cancelled_caught:
+            remaining = self.last_progress_at + timeout - time.monotonic()
+            if remaining > 0:
+                self._phase_changed = anyio.Event()
+                with anyio.move_on_after(remaining):
+                    await self._phase_changed.wait()
                 continue
-            if self.exited.is_set() or self.stop_requested:
+            if self.stop_requested:
                 return
             await self.kill_stalled(f"stalled in {self.phase}: no progress for {timeout:g}s")
             return

@@ -97,7 +97,7 @@ class HotSpare:
             await first_of(handle.claimed, handle.exited)
             if self.current is handle:  # it died unclaimed
                 self.current = None
-                log.warning("spare_died", cause=handle.exit_info and handle.exit_info.cause)
+                handle.log.warning("spare_died", cause=handle.exit_info and handle.exit_info.cause)
                 continue
             await first_of(handle.ready, handle.exited)
 
