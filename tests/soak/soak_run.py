@@ -220,7 +220,11 @@ class Soak:
         config = self.workdir / "soak.toml"
         config.write_text(CONFIG)
         env = {"XDG_STATE_HOME": str(self.workdir / "state")}
-        daemon = DaemonProcess(self.workdir / "soak.sock", config, env=env).start()
+        # The whole log goes to a file: log_lines keeps only the last lines.
+        self.log_path = self.workdir / "daemon.log"
+        daemon = DaemonProcess(
+            self.workdir / "soak.sock", config, env=env, log_file=self.log_path
+        ).start()
         self.daemon = daemon
         self.client = Client(daemon.socket_path, timeout_s=REQUEST_TIMEOUT_S)
         inv = self.result.invariants
@@ -306,7 +310,7 @@ class Soak:
         assert self.daemon is not None
         exited = {}
         ready: dict[str, list[float]] = {}
-        for line in list(self.daemon.log_lines):
+        for line in self.log_path.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
