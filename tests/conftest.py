@@ -105,11 +105,6 @@ def client(daemon: DaemonProcess) -> Client:
     return Client(daemon.socket_path)
 
 
-def runner_pids(daemon: DaemonProcess) -> list[int]:
-    """The daemon's live child processes."""
-    return [p.pid for p in psutil.Process(daemon.pid).children()]
-
-
 def assert_reaped(pid: int) -> None:
     """``pid`` is gone: not running and not a zombie."""
     try:
@@ -147,7 +142,3 @@ def wait_exited(pids: list[int], timeout_s: float) -> list[int]:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def env_without(*names: str) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in names}

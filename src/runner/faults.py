@@ -31,9 +31,6 @@ import time
 
 from ipc.messages import FAULTS_ENV
 
-# Faults that only mean something when the process starts.
-START_ONLY = ("exit_in_handshake",)
-
 
 class InjectedFault(Exception):
     """Raised by ``fail_load``: a load failure on purpose."""
