@@ -198,7 +198,7 @@ def test_queued_requests_wait_for_the_restart(start_daemon: DaemonFactory) -> No
 
         waiter = threading.Thread(target=queued)
         waiter.start()
-        daemon.wait_until(lambda: runner(client, "tiny").queued == 1)
+        daemon.wait_until(lambda: runner(client, "tiny").queue_depth == 1)
         os.kill(loaded.pid, signal.SIGKILL)
         with pytest.raises(ClientError):
             list(gen)
@@ -246,7 +246,7 @@ def test_hung_decode_is_killed_from_outside_and_restarted(
     (stall,) = daemon.events("runner_stalled")
     assert stall["phase"] == "decode" and stall["runner_pid"] == loaded.pid
     # A busy loop dies of SIGTERM; a C call with SIGTERM masked needs SIGKILL.
-    assert bool(daemon.events("stall_sigkill")) == (how == "c")
+    assert bool(daemon.events("escalate_sigkill")) == (how == "c")
     info = runner(client, "tiny")
     assert info.last_exit is not None and "stalled in decode" in info.last_exit.cause
     wait_for_state(client, "tiny", {"ready"}, daemon)
@@ -257,10 +257,12 @@ def test_idle_runner_that_stops_answering_pings_is_killed(start_daemon: DaemonFa
         FAST + "ping_timeout_s = 0.8\nstall_kill_grace_s = 0.3\nrestart = 'never'\n"
     )
     client = Client(daemon.socket_path)
-    loaded = client.load("builtin:tiny", env=faults("hang_when_idle=c"))
+    # Deadlocked holding the GIL: even the pipe-reader thread cannot answer.
+    loaded = client.load("builtin:tiny", env=faults("hang_when_idle=gil"))
     wait_for_state(client, "tiny", {"crashed"}, daemon)
     (stall,) = daemon.events("runner_stalled")
-    assert stall["phase"] == "idle"
+    assert stall["phase"] == "idle" and "no answer to pings" in stall["reason"]
+    assert daemon.events("escalate_sigkill")  # SIGTERM is masked: only SIGKILL ends it
     assert_reaped(loaded.pid)
 
 

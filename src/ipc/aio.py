@@ -114,6 +114,8 @@ class AsyncChannel(Generic[T]):
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
                 self._splitter.check_clean_eof()
                 raise ChannelClosed("peer closed the connection") from None
+            except anyio.ClosedResourceError:
+                raise ChannelClosed("the connection was closed on our side") from None
             self._bodies.extend(self._splitter.feed(chunk))
         return self._bodies.popleft()
 

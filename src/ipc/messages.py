@@ -27,6 +27,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 RunnerState = Literal[
     "starting", "loading", "ready", "busy", "stopping", "crashed", "restarting", "failed"
 ]
+RestartStrategy = Literal["always", "on-failure", "never"]
+"""OTP restart strategies: when a runner that died on its own is started again."""
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -106,7 +108,7 @@ class LoadRequest(msgspec.Struct, tag="load"):
     name: str | None = None
     max_tokens: int | None = None
     env: dict[str, str] = {}
-    restart: Literal["always", "on-failure", "never"] | None = None
+    restart: RestartStrategy | None = None
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -199,17 +201,22 @@ class RunnerInfo(msgspec.Struct):
     restarts: int
     last_exit: ExitInfo | None
     param_bytes: int | None = None
-    queued: int = 0
+    queue_depth: int = 0  # requests waiting for their turn (not the one being served)
     next_restart_at: float | None = None  # wall-clock time of the next attempt
     failure: str | None = None  # why it is failed (restart budget spent, ...)
 
 
 class SpareInfo(msgspec.Struct):
-    """The hot spare: a runner with mlx imported, waiting for a model."""
+    """The hot spare: a runner with mlx imported, waiting for a model.
 
-    pid: int
+    ``state`` is ``starting``, ``warm`` or ``failed`` (its last starts failed;
+    ``failure`` says why, and it is retried with backoff)."""
+
+    pid: int | None
     warm: bool  # mlx and mlx_lm are imported
     rss_bytes: int | None
+    state: Literal["starting", "warm", "failed"] = "starting"
+    failure: str | None = None
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):
@@ -224,16 +231,28 @@ class ShutdownAck(msgspec.Struct, tag="shutdown_ack"):
     runners: int
 
 
+class Queued(msgspec.Struct, tag="queued"):
+    """A generate waits for its turn: ``position`` 1 is next in line.
+
+    Sent when the request starts waiting and again each time it moves up.
+    """
+
+    position: int
+
+
 ErrorCode = Literal[
-    "bad_request",
+    "bad_request",  # the request itself is wrong (fields, names, env)
+    "forbidden",  # the peer's uid may not use this daemon
     "unknown_model",
     "already_loaded",
     "load_failed",
     "runner_died",
-    "not_ready",
+    "not_ready",  # restarting, stopping or timed out waiting for the model
+    "busy",  # the model's queue or the daemon's connections are full
     "generation_failed",
     "shutting_down",
-    "protocol",
+    "protocol",  # a malformed frame or handshake
+    "internal",  # a bug in the daemon; it logged the traceback and carries on
 ]
 
 
@@ -247,6 +266,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
 ServerMessage = (
     LoadProgress
     | Loaded
+    | Queued
     | TextChunk
     | GenerationDone
     | Unloaded

@@ -10,13 +10,18 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 - ``crash_at_load=SIGNAL``: kill ourselves with SIGNAL before the weights.
 - ``crash_at_token=N:SIGNAL``: kill ourselves with SIGNAL at token N.
 - ``crash_random=P:SIGNAL``: at each token, with probability P, kill ourselves.
-- ``hang_at_token=N[:c]``: at token N stop making progress forever: a busy
-  Python loop, or with ``:c`` a blocking C call with SIGTERM masked (what a
-  hung ``mx.eval`` looks like: only SIGKILL ends it).
+- ``hang_at_token=N[:c|:gil]``: at token N stop making progress forever: a
+  busy Python loop, or with ``:c`` a blocking C call with SIGTERM masked (what a
+  hung ``mx.eval`` looks like: only SIGKILL ends it; the GIL is released, so
+  pings are still answered), or with ``:gil`` a C call that holds the GIL with
+  SIGTERM masked (a deadlock: the process answers nothing, not even pings).
 - ``hang_random=P[:c]``: at each token, with probability P, hang as above.
 - ``hang_at_load[=c]``: hang before the weights are evaluated.
 - ``hang_when_idle[=c]``: hang right after Ready (pings go unanswered).
 - ``exit_in_handshake``: exit(1) before sending our Hello.
+- ``exit_at_import``: exit(1) right after the handshake, as a broken mlx
+  install would (a hot spare that can never start).
+- ``garbage_at_token=N``: at token N write bytes that are no frame to the pipe.
 - ``once=PATH``: fire at most once across runners: a runner finding PATH
   injects nothing; the first fault to fire creates it. Lets a test crash a
   model's first runner but not the one restarted in its place.
@@ -95,6 +100,13 @@ class Faults:
             self._fire()
             hang(self.arg("hang_when_idle"))
 
+    def garbage_due(self, n: int) -> bool:
+        """Whether to write garbage to the pipe at token ``n`` (``garbage_at_token``)."""
+        if self.arg("garbage_at_token") == str(n):
+            self._fire()
+            return True
+        return False
+
     def at_token(self, n: int) -> None:
         """Apply the per-token faults; ``n`` counts generated tokens from 1."""
         if "crash_at_token" in self:
@@ -120,9 +132,16 @@ class Faults:
 
 
 def hang(how: str) -> None:
-    """Never return. ``how == "c"``: block in C with SIGTERM masked; else spin."""
-    if how == "c":
+    """Never return. ``c``: block in C with SIGTERM masked; ``gil``: the same
+    while holding the GIL (no other thread runs); else spin."""
+    if how in ("c", "gil"):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        if how == "gil":
+            import ctypes
+
+            libc = ctypes.PyDLL(None)  # PyDLL calls keep the GIL
+            while True:
+                libc.sleep(3600)
         while True:
             time.sleep(3600)
     while True:  # a busy loop that makes no progress; SIGTERM still works here

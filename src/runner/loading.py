@@ -14,11 +14,11 @@ from mlx.utils import tree_flatten
 
 from runner.builtin import ensure_builtin_model, is_builtin
 
-# What mlx-lm itself fetches for a model from the Hugging Face Hub.
+# What mlx-lm fetches for a model from the Hugging Face Hub, less its ``*.py``:
+# weights, config and tokenizer files only; remote code never runs here.
 HUB_ALLOW_PATTERNS = [
     "*.json",
     "model*.safetensors",
-    "*.py",
     "tokenizer.model",
     "*.tiktoken",
     "tiktoken.model",

@@ -27,6 +27,7 @@ from ipc.messages import (
     Cancel,
     ExitAudit,
     Generate,
+    GenerationDone,
     GenerationFailed,
     Heartbeat,
     LoadFailed,
@@ -85,9 +86,10 @@ def disable_core_dumps() -> None:
 def memory_figures() -> tuple[int, int]:
     """MLX active and peak memory in bytes (0, 0 before mlx is imported)."""
     mx = sys.modules.get("mlx.core")
-    if mx is None:
+    try:
+        return int(mx.get_active_memory()), int(mx.get_peak_memory())  # type: ignore[union-attr]
+    except Exception:  # not imported, or half-way through its import
         return 0, 0
-    return int(mx.get_active_memory()), int(mx.get_peak_memory())
 
 
 class Runner:
@@ -97,8 +99,12 @@ class Runner:
         self.channel = channel
         self.faults = faults
         self.commands: queue.Queue[RunnerCommand] = queue.Queue()
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event()  # the current request's
         self.current_request: int | None = None
+        # Requests received but not finished, and which of them were cancelled:
+        # a Cancel that overtakes its request's start is kept, never lost.
+        self.pending: set[int] = set()
+        self.cancelled_ids: set[int] = set()
         self.name = "?"
         self.model: Any = None
         self.tokenizer: Any = None
@@ -108,7 +114,11 @@ class Runner:
     # --- the reader thread ---------------------------------------------------
 
     def read_commands(self) -> None:
-        """Reader thread: route each command; exit the process on EOF."""
+        """Reader thread: route each command; exit the process on EOF.
+
+        Pings are answered here, whatever the main thread is doing: a runner
+        that stops answering is frozen (stopped, or deadlocked holding the GIL).
+        """
         while True:
             try:
                 command = self.channel.recv()
@@ -118,11 +128,20 @@ class Runner:
             except (ProtocolError, OSError) as exc:
                 log.error("protocol_error", error=str(exc))
                 os._exit(EXIT_PROTOCOL)
+            if isinstance(command, Ping):
+                with contextlib.suppress(OSError):
+                    self.channel.send(Pong(command.seq, memory_figures()[0]))
+                continue
             if isinstance(command, Cancel):
                 with self._lock:
                     if command.request_id == self.current_request:
                         self.cancelled.set()
+                    elif command.request_id in self.pending:
+                        self.cancelled_ids.add(command.request_id)
                 continue
+            if isinstance(command, Generate):
+                with self._lock:
+                    self.pending.add(command.request_id)
             if isinstance(command, Shutdown):
                 if "ignore_shutdown" in self.faults:
                     log.warning("fault_ignoring_shutdown")
@@ -142,8 +161,6 @@ class Runner:
                 self.load(command)
             elif isinstance(command, Generate):
                 self.generate(command)
-            elif isinstance(command, Ping):
-                self.channel.send(Pong(command.seq, memory_figures()[0]))
 
     def load(self, command: LoadModel) -> None:
         from runner.loading import load_model
@@ -161,6 +178,7 @@ class Runner:
             if phase == "weights":
                 log.info("load_progress", layer=done, layers=total, active_bytes=active)
 
+        log.info("load_started", source=command.model, max_tokens_cap=command.max_tokens_cap)
         try:
             self.faults.at_load()
             loaded = load_model(command.model, progress)
@@ -183,11 +201,20 @@ class Runner:
         with self._lock:
             self.current_request = request.request_id
             self.cancelled.clear()
-
+            if request.request_id in self.cancelled_ids:
+                self.cancelled.set()
         def send(message: TextChunk | Heartbeat) -> None:
+            tokens = message.generation_tokens if isinstance(message, TextChunk) else 0
+            if tokens and self.faults.garbage_due(tokens):
+                # A length prefix, then a body no msgpack decoder accepts.
+                os.write(self.channel.write_fd, b"\x00\x00\x00\x04\xc1\xc1\xc1\xc1")
             self.channel.send(message)
 
         try:
+            if self.cancelled.is_set():  # cancelled before it started
+                self.channel.send(GenerationDone(request.request_id, 0, 0, 0.0, 0.0, 0.0, 0,
+                                                 "cancelled"))  # fmt: skip
+                return
             if self.model is None:
                 raise RuntimeError("no model loaded")
             done = run_generation(
@@ -214,6 +241,8 @@ class Runner:
         finally:
             with self._lock:
                 self.current_request = None
+                self.pending.discard(request.request_id)
+                self.cancelled_ids.discard(request.request_id)
 
     def release(self) -> None:
         """Drop the model and return MLX's cached buffers (best effort)."""
@@ -261,6 +290,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     runner = Runner(channel, faults)
     threading.Thread(target=runner.read_commands, name="pipe-reader", daemon=True).start()
+    if "exit_at_import" in faults:
+        log.error("fault_exit_at_import")
+        os._exit(1)
     started = time.perf_counter()
     import mlx_lm  # noqa: F401  (paid once here, before a LoadModel arrives)
 

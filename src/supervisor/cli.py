@@ -118,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from supervisor.control import DaemonAlreadyRunning
     from supervisor.daemon import run_daemon
     from supervisor.logs import configure_logging
+    from supervisor.security import InsecurePath
 
     config_path: Path | None = args.config
     if config_path is None and default_config_path().exists():
@@ -133,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging()
     try:
         run_daemon(config, socket_path)
-    except (DaemonAlreadyRunning, FileExistsError) as exc:
+    except (DaemonAlreadyRunning, FileExistsError, InsecurePath) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

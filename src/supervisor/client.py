@@ -13,6 +13,7 @@ One connection per request. A generation is an iterator of text pieces::
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import time
@@ -22,6 +23,7 @@ from types import TracebackType
 from typing import TypeVar
 
 import anyio
+from anyio.abc import SocketAttribute
 
 from ipc import AsyncChannel, BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
@@ -34,6 +36,8 @@ from ipc.messages import (
     Loaded,
     LoadProgress,
     LoadRequest,
+    Queued,
+    RestartStrategy,
     SamplingParams,
     ServerMessage,
     ShutdownAck,
@@ -45,8 +49,8 @@ from ipc.messages import (
     UnloadRequest,
 )
 from supervisor import __version__
-from supervisor.config import RestartStrategy
 from supervisor.paths import default_socket_path
+from supervisor.security import peer_credentials
 
 R = TypeVar("R")
 
@@ -106,6 +110,11 @@ class Client:
             raise DaemonUnreachable(
                 "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
             ) from exc
+        try:
+            check_daemon_credentials(sock, self.socket_path)
+        except ClientError:
+            sock.close()
+            raise
         fd = sock.detach()
         channel: BlockingChannel[ServerMessage] = BlockingChannel(fd, fd, _CODEC)
         try:
@@ -158,7 +167,7 @@ class Client:
             if on_progress is not None and isinstance(message, LoadProgress):
                 on_progress(message)
 
-        request = LoadRequest(model, name, max_tokens, env or {}, restart)
+        request = LoadRequest(local_model_reference(model), name, max_tokens, env or {}, restart)
         return self._request(request, Loaded, progress)
 
     def unload(self, name: str) -> Unloaded:
@@ -193,6 +202,34 @@ class Client:
         return text, gen.done
 
 
+def local_model_reference(model: str) -> str:
+    """``model`` as the daemon should see it: a local directory that exists
+    here (relative to *our* working directory) becomes an absolute path;
+    repo ids and ``builtin:`` names pass unchanged."""
+    if model.startswith("builtin:"):
+        return model
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_dir() else model
+
+
+def check_daemon_credentials(sock: socket.socket, socket_path: Path) -> None:
+    """Refuse a socket served by another user's process (it could be anyone's).
+
+    Raises:
+        ClientError: code ``forbidden``, the peer is not our uid.
+    """
+    try:
+        peer = peer_credentials(sock)
+    except OSError as exc:
+        raise ClientError("forbidden", f"cannot tell who serves {socket_path}: {exc}") from exc
+    if peer.uid != os.geteuid():
+        raise ClientError(
+            "forbidden",
+            f"{socket_path} is served by uid {peer.uid} (pid {peer.pid}), not by us "
+            f"(uid {os.geteuid()}); refusing to talk to it",
+        )
+
+
 def generate_request(
     name: str,
     prompt: str | None,
@@ -222,6 +259,7 @@ class Generation:
         self._sent_at = started
         self.ttft_s: float | None = None
         self.tokens = 0
+        self.position: int | None = None  # place in the model's queue while waiting
         self.done: GenerationDone | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -231,6 +269,9 @@ class Generation:
         if self.done is not None:
             raise StopIteration
         message = _recv(self._channel)
+        while isinstance(message, Queued):
+            self.position = message.position
+            message = _recv(self._channel)
         if isinstance(message, TextChunk):
             if self.ttft_s is None:
                 self.ttft_s = time.perf_counter() - self._sent_at
@@ -281,6 +322,11 @@ class AsyncClient:
             raise DaemonUnreachable(
                 "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
             ) from exc
+        try:
+            check_daemon_credentials(stream.extra(SocketAttribute.raw_socket), self.socket_path)
+        except ClientError:
+            await stream.aclose()
+            raise
         channel: AsyncChannel[ServerMessage] = AsyncChannel(stream, _CODEC)
         try:
             await channel.handshake("client", "supervisor", __version__)
@@ -320,7 +366,7 @@ class AsyncClient:
         env: dict[str, str] | None = None,
         restart: RestartStrategy | None = None,
     ) -> Loaded:
-        request = LoadRequest(model, name, max_tokens, env or {}, restart)
+        request = LoadRequest(local_model_reference(model), name, max_tokens, env or {}, restart)
         return await self._request(request, Loaded)
 
     async def unload(self, name: str) -> Unloaded:

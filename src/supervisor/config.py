@@ -6,13 +6,22 @@ Every key has a default; an unknown key is an error that names it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES
+from ipc.messages import RestartStrategy
+from supervisor.security import env_problem, model_name_problem
 
-RestartStrategy = Literal["always", "on-failure", "never"]
+# Ranges checked when the config is decoded; an error names the key and the range.
+Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+GraceSeconds = Annotated[float, Meta(ge=0, le=3_600)]
+Count = Annotated[int, Meta(ge=0, le=1_000_000)]
+Positive = Annotated[int, Meta(ge=1, le=1_000_000)]
+FrameBytes = Annotated[int, Meta(ge=4096, le=1 << 30)]
+Uid = Annotated[int, Meta(ge=0, le=2**32 - 1)]
 
 
 class ConfigError(Exception):
@@ -22,9 +31,9 @@ class ConfigError(Exception):
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Settings for one model, applied whenever a model of this name loads."""
 
-    name: str
-    model: str
-    max_tokens: int | None = None  # cap on every request's max_tokens
+    name: str  # checked by security.model_name_problem
+    model: Annotated[str, Meta(min_length=1, max_length=4096)]
+    max_tokens: Positive | None = None  # cap on every request's max_tokens
     env: dict[str, str] = {}  # added to the runner's environment
     preload: bool = False  # load when the daemon starts
     restart: RestartStrategy | None = None  # default: the daemon's restart setting
@@ -35,25 +44,32 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     socket_path: str | None = None
     # unload and shutdown escalation
-    shutdown_grace_s: float = 5.0
-    term_grace_s: float = 3.0
-    handshake_timeout_s: float = 30.0
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    runner_stderr_lines: int = 20
+    shutdown_grace_s: GraceSeconds = 5.0
+    term_grace_s: GraceSeconds = 3.0
+    handshake_timeout_s: Seconds = 30.0
+    max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES
+    runner_stderr_lines: Count = 20
     # restart policy (OTP-style restart intensity)
     restart: RestartStrategy = "always"
-    max_restarts: int = 5
-    restart_window_s: float = 60.0
-    restart_backoff_s: float = 0.5
-    restart_backoff_cap_s: float = 30.0
+    max_restarts: Count = 5
+    restart_window_s: Seconds = 60.0
+    restart_backoff_s: GraceSeconds = 0.5
+    restart_backoff_cap_s: GraceSeconds = 30.0
     retry_unstarted: bool = True
-    queue_timeout_s: float = 300.0
-    # stall watchdog: no progress for this long in a phase means hung
-    load_stall_s: float = 300.0
-    prefill_stall_s: float = 120.0
-    decode_stall_s: float = 30.0
-    ping_timeout_s: float = 10.0
-    stall_kill_grace_s: float = 0.5
+    queue_timeout_s: Seconds = 300.0
+    # stall watchdog: no progress for this long in a phase means hung; a
+    # runner that answers no ping for ping_timeout_s is hung in any phase
+    load_stall_s: Seconds = 300.0
+    prefill_stall_s: Seconds = 120.0
+    decode_stall_s: Seconds = 30.0
+    ping_timeout_s: Annotated[float, Meta(ge=0.2, le=86_400)] = 10.0
+    stall_kill_grace_s: GraceSeconds = 0.5
+    # clients: who may connect and how much load the daemon takes
+    allowed_uids: list[Uid] = []  # besides the daemon's own uid
+    max_connections: Positive = 256
+    max_queue: Count = 64  # waiting requests per model; past it, error busy
+    client_idle_timeout_s: Seconds = 10.0  # to send the whole first request
+    client_write_timeout_s: Seconds = 10.0  # a client that reads nothing this long is gone
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True
@@ -85,6 +101,10 @@ def load_config(path: Path | None) -> SupervisorConfig:
         config = msgspec.toml.decode(data, type=SupervisorConfig)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"invalid config {path}: {exc}") from exc
+    for model in config.models:
+        problem = model_name_problem(model.name) or env_problem(model.env)
+        if problem:
+            raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {problem}")
     names = [m.name for m in config.models]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

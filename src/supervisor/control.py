@@ -1,4 +1,11 @@
-"""The control socket: one request per client connection, over ipc frames."""
+"""The control socket: one request per client connection, over ipc frames.
+
+Every connection is a fault boundary: whatever goes wrong in it ends that
+connection (with an error frame where one can still be sent), never the
+daemon. Only the daemon's own user (and ``allowed_uids``) is served; writes to
+a client have a deadline, and nothing a client does (reading slowly, not at
+all, or vanishing) holds up a model for longer than that.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +14,44 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import anyio
+import msgspec
 import structlog
-from anyio.abc import ByteStream, SocketListener
+from anyio.abc import ByteStream, SocketAttribute, SocketListener
 
 from ipc import AsyncChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
+    PROTOCOL_VERSION,
     CancelRequest,
     ClientMessage,
+    ErrorCode,
     ErrorReply,
     GenerateRequest,
+    GenerationDone,
+    Hello,
+    Loaded,
     LoadProgress,
     LoadRequest,
+    Queued,
     ShutdownAck,
     ShutdownRequest,
     StatusReply,
     StatusRequest,
     SupervisorInfo,
+    TextChunk,
     UnloadRequest,
 )
 from supervisor import __version__
 from supervisor.config import SupervisorConfig
 from supervisor.registry import Registry, RequestError
+from supervisor.security import ensure_private_dir, peer_credentials
 from supervisor.system import system_info
 
 log = structlog.get_logger("supervisor.control")
 
-REQUEST_TIMEOUT_S = 30.0  # a connection that says nothing this long is dropped
+T = TypeVar("T")
 
 
 class DaemonAlreadyRunning(Exception):
@@ -44,11 +61,15 @@ class DaemonAlreadyRunning(Exception):
 async def claim_socket(path: Path) -> SocketListener:
     """Listen on ``path``, replacing a stale socket file but never a live daemon's.
 
+    The directory must be private (see :func:`ensure_private_dir`); the socket
+    is created under a umask that never exposes it, not chmod-ed after bind.
+
     Raises:
         DaemonAlreadyRunning: a daemon accepts connections there.
         FileExistsError: ``path`` is something other than a socket.
+        InsecurePath: the directory is not private to us.
     """
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ensure_private_dir(path.parent)
     if path.exists() or path.is_symlink():
         if not path.is_socket():
             raise FileExistsError(f"{path} exists and is not a socket; not replacing it")
@@ -60,9 +81,84 @@ async def claim_socket(path: Path) -> SocketListener:
         else:
             await stream.aclose()
             raise DaemonAlreadyRunning(f"another mlx-supervisor is serving on {path}")
-    listener = await anyio.create_unix_listener(path)
-    os.chmod(path, 0o600)
-    return listener
+    old_umask = os.umask(0o177)
+    try:
+        return await anyio.create_unix_listener(path)
+    finally:
+        os.umask(old_umask)
+
+
+class ClientGone(ChannelClosed):
+    """The client closed, broke or stopped reading its connection."""
+
+
+class Connection:
+    """One client connection; every write has a deadline.
+
+    A write that misses ``write_timeout_s`` leaves a half-sent frame, so the
+    connection is closed and every later write raises :class:`ClientGone`.
+    """
+
+    def __init__(self, channel: AsyncChannel[ClientMessage], write_timeout_s: float) -> None:
+        self.channel = channel
+        self.write_timeout_s = write_timeout_s
+        self.gone = False
+
+    async def send(self, message: msgspec.Struct) -> None:
+        """Write one frame within the deadline. Raises ClientGone."""
+        if self.gone:
+            raise ClientGone("the client is gone")
+        try:
+            with anyio.fail_after(self.write_timeout_s):
+                await self.channel.send(message)
+        except TimeoutError:
+            self.gone = True
+            with anyio.CancelScope(shield=True):
+                await self.channel.aclose()
+            raise ClientGone(f"the client read nothing for {self.write_timeout_s:g}s") from None
+        except ChannelClosed as exc:
+            self.gone = True
+            raise ClientGone(str(exc)) from None
+
+    async def send_error(self, code: ErrorCode, message: str) -> None:
+        """Best effort: the client may be gone already."""
+        with contextlib.suppress(ClientGone):
+            await self.send(ErrorReply(code, message))
+
+
+class Mailbox(Generic[T]):
+    """Holds the latest value for a connection's writer, so that the producer
+    (a model's supervision) never waits on a client. Older values that were
+    not written yet are replaced: a slow client sees fewer updates."""
+
+    def __init__(self) -> None:
+        self._value: T | None = None
+        self._changed = anyio.Event()
+        self.closed = False
+
+    def put(self, value: T) -> None:
+        if not self.closed:
+            self._value = value
+            self._changed.set()
+
+    def close(self) -> None:
+        """No more values; the writer stops (a pending value is dropped)."""
+        self.closed = True
+        self._changed.set()
+
+    async def forward(self, send: Callable[[T], Awaitable[None]]) -> None:
+        """Write values until closed or the client is gone."""
+        while True:
+            await self._changed.wait()
+            self._changed = anyio.Event()
+            if self.closed:
+                return
+            value, self._value = self._value, None
+            if value is not None:
+                try:
+                    await send(value)
+                except ClientGone:
+                    return
 
 
 class ControlServer:
@@ -90,51 +186,77 @@ class ControlServer:
         self.shutdown = shutdown
         self.request_exit = request_exit
         self.started = time.monotonic()
+        self.connections = 0
+        self.allowed_uids = {os.geteuid(), *config.allowed_uids}
         # One codec for every connection: building a union decoder costs ~40 us.
         self.codec: Codec[ClientMessage] = Codec(ClientMessage, config.max_frame_bytes)
 
     async def handle_connection(self, stream: ByteStream) -> None:
-        """Handshake, read one request, answer it. Never raises."""
+        """Check the peer, handshake, read one request, answer it. Never raises."""
         channel: AsyncChannel[ClientMessage] = AsyncChannel(stream, self.codec)
+        conn = Connection(channel, self.config.client_write_timeout_s)
+        self.connections += 1
         try:
-            with anyio.fail_after(REQUEST_TIMEOUT_S):
+            refusal = self._refusal(stream)
+            if refusal is not None:
+                code, message = refusal
+                # Our Hello first, so the client reads the refusal as an error frame.
+                await conn.send(Hello(PROTOCOL_VERSION, os.getpid(), "supervisor", __version__))
+                await conn.send_error(code, message)
+                return
+            with anyio.fail_after(self.config.client_idle_timeout_s):
                 await channel.handshake("supervisor", "client", __version__)
                 request = await channel.recv()
-            await self.dispatch(channel, request)
+            await self.dispatch(conn, request)
         except RequestError as exc:
-            await self._reply_error(channel, exc.code, exc.message)
+            await conn.send_error(exc.code, exc.message)
         except ProtocolError as exc:
             log.warning("client_protocol_error", error=str(exc))
-            await self._reply_error(channel, "protocol", str(exc))
-        except (ChannelClosed, TimeoutError, anyio.BrokenResourceError):
+            await conn.send_error("protocol", str(exc))
+        except TimeoutError:
+            log.info("client_idle_timeout", timeout_s=self.config.client_idle_timeout_s)
+        except (ChannelClosed, anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
-        except Exception as exc:  # the daemon outlives any one request
+        except Exception as exc:  # a fault boundary: the daemon outlives any one request
             log.exception("request_handler_failed")
-            await self._reply_error(channel, "bad_request", f"internal error: {exc!r}")
+            await conn.send_error("internal", f"internal error: {exc!r}")
         finally:
+            self.connections -= 1
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await channel.aclose()
 
-    async def _reply_error(
-        self, channel: AsyncChannel[ClientMessage], code: str, message: str
-    ) -> None:
-        with contextlib.suppress(ChannelClosed, anyio.BrokenResourceError, OSError):
-            await channel.send(ErrorReply(code, message))  # type: ignore[arg-type]
+    def _refusal(self, stream: ByteStream) -> tuple[ErrorCode, str] | None:
+        """Why this connection is not served (a foreign uid, too many
+        connections), or None."""
+        try:
+            peer = peer_credentials(stream.extra(SocketAttribute.raw_socket))
+        except (OSError, anyio.TypedAttributeLookupError) as exc:
+            log.warning("client_refused", reason=f"peer credentials unknown: {exc}")
+            return "forbidden", "the daemon cannot tell who you are"
+        if peer.uid not in self.allowed_uids:
+            log.warning("client_refused", reason="uid not allowed",
+                        peer_uid=peer.uid, peer_pid=peer.pid)  # fmt: skip
+            return "forbidden", f"uid {peer.uid} may not use this daemon (allowed_uids)"
+        if self.connections > self.config.max_connections:
+            log.warning("client_refused", reason="too many connections",
+                        connections=self.connections, peer_pid=peer.pid)  # fmt: skip
+            return "busy", f"the daemon has {self.config.max_connections} connections already"
+        return None
 
-    async def dispatch(self, channel: AsyncChannel[ClientMessage], request: ClientMessage) -> None:
-        """Answer one request on ``channel``."""
+    async def dispatch(self, conn: Connection, request: ClientMessage) -> None:
+        """Answer one request on ``conn``."""
         if isinstance(request, StatusRequest):
-            await channel.send(self.status())
+            await conn.send(self.status())
         elif isinstance(request, LoadRequest):
-            await self._load(channel, request)
+            await self._load(conn, request)
         elif isinstance(request, GenerateRequest):
-            await self._generate(channel, request)
+            await self._generate(conn, request)
         elif isinstance(request, UnloadRequest):
-            await channel.send(await self.registry.unload(request.name))
+            await conn.send(await self.registry.unload(request.name))
         elif isinstance(request, ShutdownRequest):
             try:
                 count = await self.shutdown()
-                await channel.send(ShutdownAck(runners=count))
+                await conn.send(ShutdownAck(runners=count))
             finally:
                 self.request_exit()
         elif isinstance(request, CancelRequest):
@@ -154,34 +276,53 @@ class ControlServer:
             counters=dict(self.registry.counters),
         )
 
-    async def _load(self, channel: AsyncChannel[ClientMessage], request: LoadRequest) -> None:
-        async def forward(progress: LoadProgress) -> None:
-            await channel.send(progress)
-
+    async def _load(self, conn: Connection, request: LoadRequest) -> None:
         spec = self.registry.spec_for(request)
         log.info("load_requested", model=spec.name, source=spec.model)
-        await channel.send(await self.registry.load(spec, forward))
+        progress: Mailbox[LoadProgress] = Mailbox()
+        outcome: Loaded | RequestError
+        async with anyio.create_task_group() as writers:
+            writers.start_soon(progress.forward, conn.send)
+            try:
+                outcome = await self.registry.load(spec, progress.put)
+            except RequestError as exc:
+                outcome = exc
+            finally:
+                progress.close()
+        if isinstance(outcome, RequestError):
+            raise outcome
+        await conn.send(outcome)
 
-    async def _generate(
-        self, channel: AsyncChannel[ClientMessage], request: GenerateRequest
-    ) -> None:
+    async def _generate(self, conn: Connection, request: GenerateRequest) -> None:
         cancel = anyio.Event()
+        queued: Mailbox[Queued] = Mailbox()
+
+        async def emit(event: TextChunk | GenerationDone) -> None:
+            queued.close()  # no position update after the first token
+            await conn.send(event)
 
         async def watch_client() -> None:
             # The only thing a client may send now is CancelRequest; EOF or
             # anything else also cancels (the client is gone or confused).
             with contextlib.suppress(ChannelClosed, ProtocolError, anyio.BrokenResourceError):
-                await channel.recv()
+                await conn.channel.recv()
             cancel.set()
 
         failure: RequestError | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_client)
+        async with anyio.create_task_group() as writers:
+            writers.start_soon(queued.forward, conn.send)
             try:
-                await self.registry.generate(request, channel.send, cancel)
-            except RequestError as exc:
-                failure = exc
+                async with anyio.create_task_group() as readers:
+                    readers.start_soon(watch_client)
+                    try:
+                        await self.registry.generate(
+                            request, emit, cancel, on_queued=lambda n: queued.put(Queued(n))
+                        )
+                    except RequestError as exc:
+                        failure = exc
+                    finally:
+                        readers.cancel_scope.cancel()
             finally:
-                tg.cancel_scope.cancel()
+                queued.close()
         if failure is not None:
             raise failure

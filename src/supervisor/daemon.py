@@ -14,6 +14,7 @@ from supervisor import __version__
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.control import ControlServer, claim_socket
 from supervisor.registry import Registry, RequestError
+from supervisor.runner_handle import signal_name
 from supervisor.state import (
     DaemonState,
     RunnerRecord,
@@ -110,13 +111,17 @@ class Daemon:
         return list(wanted.values())
 
     async def _load_at_start(self, spec: ModelConfig) -> None:
+        """Load one model at start. A failure leaves it ``failed`` in status and
+        in the desired state (a later ``load`` retries it); never raises."""
         assert self.registry is not None
         try:
-            entry = self.registry.register(spec)
+            entry = self.registry.register(spec, keep_if_first_load_fails=True)
             await self.registry.wait_loaded(entry)
             log.info("loaded_at_start", model=spec.name)
         except RequestError as exc:
             log.error("load_at_start_failed", model=spec.name, error=exc.message)
+        except Exception:  # a fault boundary, like every model's supervision
+            log.exception("load_at_start_failed", model=spec.name)
 
     def _save_state(self) -> None:
         """Persist our runners (for a successor's cleanup) and the desired models."""
@@ -137,8 +142,8 @@ class Daemon:
                 self.state_file.save(state)
             else:  # nothing to remember: leave no file behind
                 self.state_file.path.unlink(missing_ok=True)
-        except OSError as exc:
-            log.error("state_save_failed", path=str(self.state_file.path), error=str(exc))
+        except Exception as exc:  # a full disk must not take the daemon down
+            log.error("state_save_failed", path=str(self.state_file.path), error=repr(exc))
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -146,7 +151,7 @@ class Daemon:
                 if signum == signal.SIGHUP:
                     log.info("sighup_ignored")  # a closed terminal must not stop the models
                     continue
-                log.info("signal_received", signal=signal.Signals(signum).name)
+                log.info("signal_received", signal=signal_name(signum))
                 if self._shutdown_started:
                     continue
                 self.registry.task_group.start_soon(self._shutdown_then_exit)  # type: ignore[union-attr]

@@ -46,6 +46,7 @@ from ipc.messages import Cancel as CancelCommand
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
+from supervisor.security import env_problem, model_name_problem
 from supervisor.spare import HotSpare
 from supervisor.system import process_rss
 
@@ -64,7 +65,10 @@ ALLOWED_MOVES: dict[RunnerState, set[RunnerState]] = {
 }
 
 Emit = Callable[[TextChunk | GenerationDone], Awaitable[None]]
-ProgressListener = Callable[[LoadProgress], Awaitable[None]]
+ProgressListener = Callable[[LoadProgress], None]
+"""Told of load progress; must not block (a connection's mailbox)."""
+QueueListener = Callable[[int], None]
+"""Told a waiting request's place in line (1 = next); must not block."""
 
 
 class RequestError(Exception):
@@ -76,11 +80,37 @@ class RequestError(Exception):
         self.message = message
 
 
+async def wait_unless(cancel: anyio.Event, wait: Callable[[], Awaitable[None]]) -> None:
+    """Await ``wait()``, giving up (returning) as soon as ``cancel`` is set."""
+    if cancel.is_set():
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await cancel.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await wait()
+        tg.cancel_scope.cancel()
+
+
 def derive_name(model: str) -> str:
     """Default model name: ``builtin:tiny`` -> ``tiny``; a path or repo id -> its last part."""
     if model.startswith("builtin:"):
         return model.removeprefix("builtin:")
     return PurePath(model.rstrip("/")).name or model
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting for its turn on a model."""
+
+    on_queued: QueueListener | None
+
+    def tell(self, position: int) -> None:
+        if self.on_queued is not None:
+            self.on_queued(position)
 
 
 @dataclass(eq=False)
@@ -96,7 +126,8 @@ class ModelEntry:
     failure: str | None = None
     next_restart_at: float | None = None
     param_bytes: int | None = None
-    queued: int = 0
+    keep_if_first_load_fails: bool = False  # restored at start: stay, failed, for status
+    waiters: list[Waiter] = field(default_factory=list)  # in arrival order
     request_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
     loaded: anyio.Event = field(default_factory=anyio.Event)  # first load decided
     stop_requested: anyio.Event = field(default_factory=anyio.Event)
@@ -117,11 +148,12 @@ class ModelEntry:
             return self.handle.log
         return log.bind(model=self.name)
 
-    def move(self, new: RunnerState) -> None:
-        """Change state, refusing moves the lifecycle does not allow."""
+    def move(self, new: RunnerState, *, force: bool = False) -> None:
+        """Change state, refusing moves the lifecycle does not allow (unless
+        ``force``: a fault boundary marking the model failed from anywhere)."""
         if new == self.state:
             return
-        if new not in ALLOWED_MOVES[self.state]:
+        if new not in ALLOWED_MOVES[self.state] and not force:
             raise RuntimeError(f"{self.name}: illegal state move {self.state} -> {new}")
         # ready <-> busy happens on every request: not worth an info line each time.
         level = self.log.debug if {self.state, new} == {"ready", "busy"} else self.log.info
@@ -151,6 +183,13 @@ class ModelEntry:
                 raise RequestError(code, f"{self.name} is {self.state}{detail}")
             await self.state_changed.wait()
 
+    def leave_queue(self, waiter: Waiter) -> None:
+        """Take ``waiter`` out of line and tell those behind it their new place."""
+        index = self.waiters.index(waiter)
+        del self.waiters[index]
+        for position, behind in enumerate(self.waiters[index:], start=index + 1):
+            behind.tell(position)
+
     def info(self) -> RunnerInfo:
         handle = self.handle
         pid = handle.pid if handle is not None and handle.alive else None
@@ -164,7 +203,7 @@ class ModelEntry:
             restarts=self.restarts,
             last_exit=self.last_exit,
             param_bytes=self.param_bytes,
-            queued=self.queued,
+            queue_depth=len(self.waiters),
             next_restart_at=self.next_restart_at,
             failure=self.failure,
         )
@@ -226,20 +265,30 @@ class Registry:
     async def _own_process(
         self, handle: RunnerHandle, *, task_status: TaskStatus[RunnerStartError | None]
     ) -> None:
-        async with anyio.create_task_group() as runner_tasks:
-            try:
-                await handle.start(runner_tasks)
-            except RunnerStartError as exc:
-                task_status.started(exc)
-                return
-            self.live_handles.add(handle)
-            self.on_change()
-            task_status.started(None)
-            try:
-                await handle.exited.wait()
-            finally:
-                self.live_handles.discard(handle)
+        """A fault boundary: whatever fails here ends this runner, not the daemon."""
+        started = False
+        try:
+            async with anyio.create_task_group() as runner_tasks:
+                try:
+                    await handle.start(runner_tasks)
+                except RunnerStartError as exc:
+                    task_status.started(exc)
+                    return
+                self.live_handles.add(handle)
+                started = True
+                task_status.started(None)
                 self.on_change()
+                try:
+                    await handle.exited.wait()
+                finally:
+                    self.live_handles.discard(handle)
+                    self.on_change()
+        except Exception as exc:
+            handle.log.exception("runner_task_failed")
+            cause = f"supervisor error: {exc!r}"
+            handle.mark_exited(None, cause)  # the task group has killed and reaped it
+            if not started:
+                task_status.started(RunnerStartError(cause))
 
     async def _obtain_runner(self, spec: ModelConfig) -> RunnerHandle:
         """A runner for ``spec``: the hot spare if it fits, else a new process."""
@@ -279,17 +328,26 @@ class Registry:
         return await self.wait_loaded(entry)
 
     def register(
-        self, spec: ModelConfig, on_progress: ProgressListener | None = None
+        self,
+        spec: ModelConfig,
+        on_progress: ProgressListener | None = None,
+        *,
+        keep_if_first_load_fails: bool = False,
     ) -> ModelEntry:
         """Add ``spec`` and start its supervising task; returns at once.
+
+        ``keep_if_first_load_fails`` (models restored at start): a failed
+        first load leaves the model ``failed`` with the reason, in status and
+        in the desired state, until an unload or a new load.
 
         Raises:
             RequestError: bad name, name taken, or the daemon is closing.
         """
         if self.closing:
             raise RequestError("shutting_down", "the daemon is shutting down")
-        if not spec.name or "/" in spec.name:
-            raise RequestError("bad_request", f"invalid model name {spec.name!r}")
+        problem = model_name_problem(spec.name) or env_problem(spec.env)
+        if problem:
+            raise RequestError("bad_request", problem)
         old = self.entries.get(spec.name)
         if old is not None:
             raise RequestError("already_loaded", f"{spec.name} is already loaded ({old.state})")
@@ -300,6 +358,7 @@ class Registry:
             backoff_cap_s=self.config.restart_backoff_cap_s,
         )
         entry = ModelEntry(spec, RestartTracker(spec.restart or self.config.restart, intensity))
+        entry.keep_if_first_load_fails = keep_if_first_load_fails
         if on_progress is not None:
             entry.progress_listeners.append(on_progress)
         self.entries[spec.name] = entry
@@ -310,47 +369,66 @@ class Registry:
         """Wait for the entry's first load. Raises RequestError(load_failed)."""
         await entry.loaded.wait()
         if entry.load_result is None:
-            if self.entries.get(entry.name) is entry:
+            if self.entries.get(entry.name) is entry and not entry.keep_if_first_load_fails:
                 del self.entries[entry.name]
                 self.on_change()
-            raise RequestError("load_failed", entry.load_error or "load failed")
+            raise RequestError("load_failed", entry.load_error or entry.failure or "load failed")
         self.on_change()
         return entry.load_result
 
     async def _supervise(self, entry: ModelEntry) -> None:
         """Own the model's runners, one after another, until it is unloaded or
-        its restarts are exhausted."""
+        its restarts are exhausted. A fault boundary: a bug in here marks this
+        model failed with the cause and ends its runner, never the daemon."""
         try:
-            while True:
-                exit_info = await self._run_runner(entry)
-                entry.last_exit = exit_info
-                if entry.stop_requested.is_set():
-                    return
-                entry.move("crashed")
-                if not entry.loaded.is_set():
-                    return  # the first load failed: the client hears why; no restarts
-                decision = entry.tracker.decide(exit_info, time.monotonic())
-                if decision.delay_s is None:
-                    entry.log.error("restart_refused", reason=decision.reason)
-                    if decision.budget_spent:
-                        entry.failure = decision.reason
-                        entry.move("failed")
-                        self.counters["failed"] += 1
-                    return
-                entry.log.warning("restart_scheduled", reason=decision.reason)
-                entry.next_restart_at = time.time() + decision.delay_s
-                entry.move("restarting")
-                with anyio.move_on_after(decision.delay_s):  # the backoff, cut short by unload
-                    await entry.stop_requested.wait()
-                entry.next_restart_at = None
-                if entry.stop_requested.is_set():
-                    return
-                entry.restarts += 1
-                self.counters["restarts"] += 1
-                entry.move("starting")
+            await self._supervise_runners(entry)
+        except Exception as exc:
+            entry.log.exception("supervision_failed")
+            entry.failure = f"internal error: {exc!r}"
+            entry.load_error = entry.load_error or entry.failure
+            handle = entry.handle
+            if handle is not None and handle.alive:
+                with anyio.CancelScope(shield=True):
+                    await handle.escalate(entry.failure, first="sigkill")
+            if entry.state != "stopping":
+                entry.move("failed", force=True)
+            self.counters["failed"] += 1
+            self.on_change()
         finally:
             entry.loaded.set()
             entry.stopped.set()
+
+    async def _supervise_runners(self, entry: ModelEntry) -> None:
+        while True:
+            exit_info = await self._run_runner(entry)
+            entry.last_exit = exit_info
+            if entry.stop_requested.is_set():
+                return
+            entry.move("crashed")
+            if not entry.loaded.is_set():  # the first load failed: no restarts
+                if entry.keep_if_first_load_fails:
+                    entry.failure = f"load failed: {entry.load_error}"
+                    entry.move("failed")
+                return
+            decision = entry.tracker.decide(exit_info, time.monotonic())
+            if decision.delay_s is None:
+                entry.log.error("restart_refused", reason=decision.reason)
+                if decision.budget_spent:
+                    entry.failure = decision.reason
+                    entry.move("failed")
+                    self.counters["failed"] += 1
+                return
+            entry.log.warning("restart_scheduled", reason=decision.reason)
+            entry.next_restart_at = time.time() + decision.delay_s
+            entry.move("restarting")
+            with anyio.move_on_after(decision.delay_s):  # the backoff, cut short by unload
+                await entry.stop_requested.wait()
+            entry.next_restart_at = None
+            if entry.stop_requested.is_set():
+                return
+            entry.restarts += 1
+            self.counters["restarts"] += 1
+            entry.move("starting")
 
     async def _run_runner(self, entry: ModelEntry) -> ExitInfo:
         """Start a runner for the entry, load the model, and wait for its end."""
@@ -361,7 +439,7 @@ class Registry:
             return ExitInfo(code=None, signal=None, cause=str(exc))
         entry.handle = handle
         if entry.stop_requested.is_set():  # unloaded while we were starting it
-            await handle.escalate_shutdown("unload")
+            await handle.escalate("unload")
         else:
             try:
                 entry.move("loading")
@@ -383,11 +461,8 @@ class Registry:
         while True:
             event = await handle.next_event()
             if isinstance(event, LoadProgress):
-                for listener in list(entry.progress_listeners):
-                    try:
-                        await listener(event)
-                    except Exception:  # a vanished client must not stop the load
-                        entry.progress_listeners.remove(listener)
+                for listener in entry.progress_listeners:
+                    listener(event)  # never blocks: the connection writes it
             elif isinstance(event, Ready):
                 entry.param_bytes = event.param_bytes
                 entry.load_result = Loaded(
@@ -412,11 +487,19 @@ class Registry:
 
     # --- generate ------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest, emit: Emit, cancel: anyio.Event) -> None:
+    async def generate(
+        self,
+        request: GenerateRequest,
+        emit: Emit,
+        cancel: anyio.Event,
+        on_queued: QueueListener | None = None,
+    ) -> None:
         """Run one generation on the named model, passing each frame to ``emit``.
 
         Waits its turn behind earlier requests to the same model, and through
-        a load or restart, up to ``queue_timeout_s``. Setting ``cancel`` stops
+        a load or restart, up to ``queue_timeout_s``; ``on_queued`` hears its
+        place in line while it waits. More than ``max_queue`` waiting: error
+        ``busy`` at once. Setting ``cancel`` stops
         it within a few tokens. If the runner dies before the first token the
         request is retried once on the restarted runner (``retry_unstarted``);
         after that it fails with the cause. If ``emit`` fails (the client
@@ -433,7 +516,7 @@ class Registry:
         streamed = [False]
         for attempt in (1, 2):
             try:
-                await self._generate_once(entry, request, emit, cancel, streamed)
+                await self._generate_once(entry, request, emit, cancel, streamed, on_queued)
                 return
             except RunnerGone as gone:
                 can_retry = (
@@ -458,22 +541,50 @@ class Registry:
         emit: Emit,
         cancel: anyio.Event,
         streamed: list[bool],
+        on_queued: QueueListener | None,
     ) -> None:
         deadline = anyio.current_time() + self.config.queue_timeout_s
-        if entry.request_lock.locked() or entry.state != "ready":
-            entry.log.info("request_waiting", state=entry.state,
-                     ahead=entry.queued + entry.request_lock.locked())  # fmt: skip
-        entry.queued += 1
+        must_wait = entry.request_lock.locked() or entry.state != "ready"
+        if must_wait and len(entry.waiters) >= self.config.max_queue:
+            self.counters["requests_refused_busy"] += 1
+            raise RequestError(
+                "busy", f"{entry.name} has {len(entry.waiters)} requests waiting (max_queue)"
+            )
+        waiter = Waiter(on_queued)
+        entry.waiters.append(waiter)
+        if must_wait:
+            entry.log.info("request_waiting", state=entry.state, position=len(entry.waiters))
+            waiter.tell(len(entry.waiters))
+        acquired = False
+
+        async def take_turn() -> None:
+            nonlocal acquired
+            await entry.request_lock.acquire()
+            acquired = True
+
         try:
-            with anyio.move_on_after(self.config.queue_timeout_s) as waiting:
-                await entry.request_lock.acquire()
-        finally:
-            entry.queued -= 1
-        if waiting.cancelled_caught:
+            with anyio.move_on_at(deadline):
+                await wait_unless(cancel, take_turn)
+        except BaseException:
+            if acquired:
+                entry.request_lock.release()
+            entry.leave_queue(waiter)
+            raise
+        if not acquired or cancel.is_set():
+            if acquired:  # its turn came just as it was cancelled
+                entry.request_lock.release()
+            entry.leave_queue(waiter)
+            if cancel.is_set():  # the client cancelled or left while in line
+                with contextlib.suppress(ChannelClosed, anyio.BrokenResourceError, OSError):
+                    await emit(GenerationDone(0, 0, 0, 0.0, 0.0, 0.0, 0, "cancelled"))
+                return
             raise RequestError("not_ready", self._timeout_message(entry))
         try:
-            with anyio.move_on_at(deadline) as waiting:
-                handle = await entry.wait_ready()
+            try:
+                with anyio.move_on_at(deadline) as waiting:
+                    handle = await entry.wait_ready()
+            finally:
+                entry.leave_queue(waiter)
             if waiting.cancelled_caught:
                 raise RequestError("not_ready", self._timeout_message(entry))
             await self._run_request(entry, handle, request, emit, cancel, streamed)
@@ -504,16 +615,21 @@ class Registry:
             with contextlib.suppress(RunnerGone):
                 await handle.send(CancelCommand(request_id))
 
+        ended = False
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(forward_cancel)
                 try:
                     await self._stream(entry, handle, request, request_id, emit, cancel, streamed)
+                    ended = True
                 except (RunnerGone, RequestError) as exc:
-                    failure = exc
+                    ended, failure = True, exc
                 finally:
                     tg.cancel_scope.cancel()
         finally:
+            if not ended:  # we were cancelled mid-request: stop the runner working for no one
+                with anyio.CancelScope(shield=True), contextlib.suppress(RunnerGone):
+                    await handle.send(CancelCommand(request_id))
             entry.request_finished()
         if failure is not None:
             raise failure
@@ -540,7 +656,7 @@ class Registry:
                 if not client_gone:
                     try:
                         await emit(event)
-                    except (ChannelClosed, anyio.BrokenResourceError, OSError):
+                    except (ChannelClosed, anyio.BrokenResourceError, OSError, TimeoutError):
                         client_gone = True
                         cancel.set()
                         entry.log.info("client_gone", request_id=request_id)
@@ -566,7 +682,7 @@ class Registry:
         handle = entry.handle
         steps: list[str] = []
         if handle is not None and handle.alive:
-            steps = await handle.escalate_shutdown(reason)
+            steps = await handle.escalate(reason)
         await entry.stopped.wait()
         if self.entries.get(name) is entry:
             del self.entries[name]

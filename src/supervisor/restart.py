@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
-from ipc.messages import ExitInfo
-
-RestartStrategy = Literal["always", "on-failure", "never"]
+from ipc.messages import ExitInfo, RestartStrategy
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -46,6 +47,10 @@ from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.state import process_create_time
 
 _LEVELS = {"debug", "info", "warning", "error", "critical"}
+# Keys a relayed runner log record may not set as they are (ours, or structlog's).
+_RESERVED_KEYS = {"source", "event", "level", "timestamp", "model", "runner_pid", "exc_info",
+                  "stack_info", "self"}  # fmt: skip
+MAX_LOG_LINE_BYTES = 64 * 1024
 
 
 class RunnerGone(Exception):
@@ -58,6 +63,19 @@ class RunnerGone(Exception):
 
 class RunnerStartError(Exception):
     """The runner could not be started or failed its handshake."""
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL``, ``SIGRTMIN+6`` for a realtime signal, else ``SIG40``."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        pass
+    rtmin = getattr(signal, "SIGRTMIN", None)
+    rtmax = getattr(signal, "SIGRTMAX", None)
+    if rtmin is not None and rtmax is not None and rtmin < signum <= rtmax:
+        return f"SIGRTMIN+{signum - rtmin}"
+    return f"SIG{signum}"
 
 
 def describe_exit(
@@ -73,14 +91,17 @@ def describe_exit(
     """
     tail = list(stderr_tail)
     if returncode < 0:
-        signum = signal.Signals(-returncode)
-        name = signum.name
+        name = signal_name(-returncode)
         cause = f"killed by {name}"
         if kill_cause:
             cause = f"{kill_cause} (killed by {name})"
         elif audit is not None:
             cause = f"{audit.cause} (then killed by {name})"
-        return ExitInfo(None, name, cause, signal.strsignal(signum), tail)
+        try:
+            description = signal.strsignal(-returncode)
+        except ValueError:
+            description = None
+        return ExitInfo(None, name, cause, description, tail)
     if kill_cause:
         cause = f"{kill_cause} (exited with code {returncode})"
     elif audit is not None:
@@ -120,6 +141,7 @@ class RunnerHandle:
         self.phase = "starting"
         self.progress = 0
         self.last_progress_at = time.monotonic()
+        self.last_alive_at = time.monotonic()  # any frame from the runner, pongs included
         self._phase_changed = anyio.Event()
         self._ping_seq = 0
         self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
@@ -162,8 +184,11 @@ class RunnerHandle:
                 stderr=subprocess.PIPE,
                 pass_fds=(command_r, event_w),
                 env=env,
+                # Its own session: a terminal's SIGHUP or Ctrl-C to the daemon's
+                # process group never reaches runners; the daemon decides.
+                start_new_session=True,
             )
-        except OSError as exc:
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
             for fd in (command_r, command_w, event_r, event_w):
                 os.close(fd)
             raise RunnerStartError(f"cannot start runner: {exc}") from exc
@@ -179,23 +204,42 @@ class RunnerHandle:
             FdStream(event_r, command_w), Codec(RunnerEvent, self.config.max_frame_bytes)
         )
         assert self.process.stdout is not None and self.process.stderr is not None
-        task_group.start_soon(self._relay_output, self.process.stderr, "stderr")
-        task_group.start_soon(self._relay_output, self.process.stdout, "stdout")
-        task_group.start_soon(self._watch_exit)
+        self._start_guarded(task_group, self._relay_output, self.process.stderr, "stderr")
+        self._start_guarded(task_group, self._relay_output, self.process.stdout, "stdout")
+        task_group.start_soon(self._watch_exit)  # never raises: it must always report the exit
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 await self.channel.handshake("supervisor", "runner", __version__)
         except (ProtocolError, ChannelClosed, TimeoutError) as exc:
             self.signal(signal.SIGKILL)
-            await self.exited.wait()
+            with anyio.CancelScope(shield=True):
+                await self.exited.wait()
+                await self.channel.aclose()
             self._events_in.close()
             reason = str(exc) or type(exc).__name__
             exit_info = self.exit_info
             detail = f" ({exit_info.cause})" if exit_info is not None else ""
             raise RunnerStartError(f"runner handshake failed: {reason}{detail}") from exc
-        task_group.start_soon(self._pump_events)
-        task_group.start_soon(self._watch_stalls)
-        task_group.start_soon(self._ping_when_idle)
+        self.last_alive_at = time.monotonic()
+        self._start_guarded(task_group, self._pump_events)
+        self._start_guarded(task_group, self._watch_stalls)
+        self._start_guarded(task_group, self._watch_liveness)
+
+    def _start_guarded(
+        self, task_group: TaskGroup, func: Callable[..., Awaitable[None]], *args: Any
+    ) -> None:
+        """Start one of the handle's tasks as a fault boundary: a bug in it
+        kills this runner (restart policy applies), never the daemon."""
+
+        async def guarded() -> None:
+            try:
+                await func(*args)
+            except Exception as exc:
+                self.log.exception("runner_task_failed", task=func.__name__)
+                self.kill_cause = self.kill_cause or f"supervisor error in {func.__name__}: {exc!r}"
+                self.signal(signal.SIGKILL)
+
+        task_group.start_soon(guarded, name=f"{func.__name__} {self.spec.name}")
 
     def adopt(self, spec: ModelConfig) -> None:
         """Hand this (spare) runner to the model ``spec``."""
@@ -215,9 +259,29 @@ class RunnerHandle:
                 with anyio.CancelScope(shield=True):
                     self.signal(signal.SIGKILL)
                     await self.process.wait()
-        self.exit_info = describe_exit(
-            returncode, self.audit, list(self.stderr_tail), self.kill_cause
-        )
+            for stream in (self.process.stdout, self.process.stderr):
+                if stream is not None:  # the relays stop at EOF; their fds close here
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await stream.aclose()
+        self.mark_exited(returncode)
+
+    def mark_exited(self, returncode: int | None, cause: str | None = None) -> None:
+        """Record how the runner ended (once) and wake everyone waiting on it.
+
+        ``returncode`` None means the supervisor gave up on its process task
+        (``cause`` says why); the process itself is killed and reaped there.
+        """
+        if self.exited.is_set():
+            return
+        try:
+            if returncode is None:
+                raise ValueError(cause or "runner task ended")
+            self.exit_info = describe_exit(
+                returncode, self.audit, list(self.stderr_tail), self.kill_cause
+            )
+        except Exception:  # describing an exit must never stop us reporting it
+            self.log.exception("describe_exit_failed", returncode=returncode)
+            self.exit_info = ExitInfo(returncode, None, cause or f"exit status {returncode}")
         level = "info" if self.stop_requested else "warning"
         getattr(self.log, level)(
             "runner_exited",
@@ -242,6 +306,7 @@ class RunnerHandle:
                     self.log.error("runner_protocol_error", error=str(exc), action="kill")
                     self.signal(signal.SIGKILL)
                     break
+                self.last_alive_at = time.monotonic()
                 self._track_progress(event)
                 if isinstance(event, ExitAudit):
                     self.audit = event
@@ -263,13 +328,20 @@ class RunnerHandle:
                 await self.channel.aclose()
 
     async def _relay_output(self, stream: ByteReceiveStream, source: str) -> None:
-        """Re-log the runner's stdout/stderr lines with its model name and pid."""
+        """Re-log the runner's stdout/stderr lines with its model name and pid.
+
+        A line longer than ``MAX_LOG_LINE_BYTES`` is cut there: a runner
+        printing without newlines cannot grow the daemon's memory.
+        """
         pending = b""
         async for chunk in stream:
             pending += chunk
             *lines, pending = pending.split(b"\n")
+            if len(pending) > MAX_LOG_LINE_BYTES:
+                lines.append(pending[:MAX_LOG_LINE_BYTES])
+                pending = b""
             for line in lines:
-                self._relay_line(line, source)
+                self._relay_line(line[:MAX_LOG_LINE_BYTES], source)
         if pending:
             self._relay_line(pending, source)
 
@@ -288,8 +360,13 @@ class RunnerHandle:
             level = str(record.pop("level", "info"))
             for key in ("timestamp", "model", "runner_pid"):
                 record.pop(key, None)
+            # The runner's own keys never clash with ours: prefix any that would.
+            fields = {
+                (f"runner_{key}" if key in _RESERVED_KEYS else key): value
+                for key, value in record.items()
+            }
             log_method = getattr(self.log, level if level in _LEVELS else "info")
-            log_method(event, source="runner", **record)
+            log_method(event, source="runner", **fields)
         else:
             self.log.info("runner_output", stream=source, line=text)
 
@@ -315,16 +392,17 @@ class RunnerHandle:
                 self.ready.set()
         elif isinstance(event, TextChunk) and self.phase == "prefill":
             self._set_phase("decode")
-        elif isinstance(event, LoadProgress | Heartbeat | TextChunk | Pong):
+        elif isinstance(event, LoadProgress | Heartbeat | TextChunk):
             self._note_progress()
 
     def stall_timeout_s(self) -> float:
-        """How long the current phase may go without progress."""
+        """How long the current phase may go without progress (idle: forever;
+        liveness is the pings' job)."""
         config = self.config
         return {
             "starting": config.load_stall_s,
             "loading": config.load_stall_s,
-            "idle": config.ping_timeout_s,
+            "idle": math.inf,
             "prefill": config.prefill_stall_s,
             "decode": config.decode_stall_s,
         }[self.phase]
@@ -332,9 +410,10 @@ class RunnerHandle:
     async def _watch_stalls(self) -> None:
         """Kill the runner when its phase goes without progress for too long.
 
-        Sleeps until the last progress plus the phase's timeout; progress only
-        moves that deadline, and a phase change (whose timeout may be shorter)
-        wakes it early.
+        Catches hangs that leave the process answering pings (a blocked
+        ``mx.eval`` releases the GIL). Sleeps until the last progress plus
+        the phase's timeout; progress only moves that deadline, and a phase
+        change (whose timeout may be shorter) wakes it early.
         """
         while not self.exited.is_set():
             timeout = self.stall_timeout_s()
@@ -349,6 +428,41 @@ class RunnerHandle:
             await self.kill_stalled(f"stalled in {self.phase}: no progress for {timeout:g}s")
             return
 
+    async def _watch_liveness(self) -> None:
+        """Kill a frozen runner in any phase: one that sends nothing, not even
+        a Pong, for ``ping_timeout_s`` (SIGSTOP, a deadlock holding the GIL).
+
+        The runner's pipe-reader thread answers pings whatever its main thread
+        is doing; pings go out from a separate task, since a frozen runner's
+        full pipe would block a send.
+        """
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._send_pings)
+            while not self.exited.is_set() and not self.stop_requested:
+                silent_s = time.monotonic() - self.last_alive_at
+                if silent_s > self.config.ping_timeout_s:
+                    await self.kill_stalled(
+                        f"frozen in {self.phase}: no answer to pings for {silent_s:.1f}s"
+                    )
+                    break
+                with anyio.move_on_after(self.config.ping_timeout_s - silent_s + 0.01):
+                    await self.exited.wait()
+            tg.cancel_scope.cancel()
+
+    async def _send_pings(self) -> None:
+        assert self.channel is not None
+        while not self.exited.is_set():
+            with anyio.move_on_after(self.config.ping_interval_s):  # the ping period
+                await self.exited.wait()
+            if self.exited.is_set() or self.stop_requested:
+                return
+            self._ping_seq += 1
+            try:
+                with anyio.CancelScope(shield=True):  # never cut a frame in half
+                    await self.channel.send(Ping(self._ping_seq))
+            except ChannelClosed:
+                return
+
     async def kill_stalled(self, reason: str) -> None:
         """Kill a hung runner from the outside: SIGTERM, a short grace, SIGKILL.
 
@@ -361,28 +475,9 @@ class RunnerHandle:
             phase=self.phase,
             progress=self.progress,
             since_progress_s=round(time.monotonic() - self.last_progress_at, 3),
+            since_alive_s=round(time.monotonic() - self.last_alive_at, 3),
         )
-        self.signal(signal.SIGTERM)
-        with anyio.move_on_after(self.config.stall_kill_grace_s):
-            await self.exited.wait()
-        if not self.exited.is_set():
-            self.log.warning("stall_sigkill", grace_s=self.config.stall_kill_grace_s)
-            self.signal(signal.SIGKILL)
-            await self.exited.wait()
-
-    async def _ping_when_idle(self) -> None:
-        """Ping an idle runner so a hang between requests is noticed too."""
-        while not self.exited.is_set():
-            with anyio.move_on_after(self.config.ping_interval_s):  # the ping period
-                await self.exited.wait()
-            if self.exited.is_set():
-                return
-            if self.phase == "idle" and not self.stop_requested and self.channel is not None:
-                self._ping_seq += 1
-                try:
-                    await self.channel.send(Ping(self._ping_seq))
-                except ChannelClosed:
-                    return
+        await self.escalate(reason, first="sigterm", term_grace_s=self.config.stall_kill_grace_s)
 
     # --- talking -------------------------------------------------------------
 
@@ -425,21 +520,31 @@ class RunnerHandle:
 
     # --- stopping ------------------------------------------------------------
 
-    async def escalate_shutdown(self, reason: str) -> list[str]:
-        """Stop the runner: Shutdown message, join, SIGTERM, join, SIGKILL, reap.
+    async def escalate(
+        self,
+        reason: str,
+        *,
+        first: Literal["shutdown", "sigterm", "sigkill"] = "shutdown",
+        term_grace_s: float | None = None,
+    ) -> list[str]:
+        """The kill ladder: Shutdown message, join, SIGTERM, join, SIGKILL, reap.
 
-        Waits ``shutdown_grace_s`` after the message and ``term_grace_s``
-        after SIGTERM. Returns the steps taken (``shutdown``, ``sigterm``,
-        ``sigkill``); when it returns the process has been reaped.
+        Unloads and daemon shutdown start at ``shutdown`` (a requested stop);
+        the stall watchdog starts at ``sigterm`` with a short grace. Waits
+        ``shutdown_grace_s`` after the message and ``term_grace_s`` (default
+        the config's) after SIGTERM. Returns the steps taken; when it returns
+        the process has been reaped.
         """
-        self.stop_requested = True
+        if first == "shutdown":
+            self.stop_requested = True
+        term_grace_s = self.config.term_grace_s if term_grace_s is None else term_grace_s
         steps: list[str] = []
         started = time.perf_counter()
 
         def elapsed() -> float:
             return round(time.perf_counter() - started, 3)
 
-        if not self.exited.is_set() and self.channel is not None:
+        if first == "shutdown" and not self.exited.is_set() and self.channel is not None:
             with anyio.move_on_after(self.config.shutdown_grace_s):
                 try:
                     await self.channel.send(Shutdown(reason))
@@ -448,15 +553,15 @@ class RunnerHandle:
                 except ChannelClosed:
                     pass
                 await self.exited.wait()
-        if not self.exited.is_set():
+        if first != "sigkill" and not self.exited.is_set():
             steps.append("sigterm")
-            self.log.warning("escalate_sigterm", elapsed_s=elapsed())
+            self.log.warning("escalate_sigterm", reason=reason, elapsed_s=elapsed())
             self.signal(signal.SIGTERM)
-            with anyio.move_on_after(self.config.term_grace_s):
+            with anyio.move_on_after(term_grace_s):
                 await self.exited.wait()
         if not self.exited.is_set():
             steps.append("sigkill")
-            self.log.warning("escalate_sigkill", elapsed_s=elapsed())
+            self.log.warning("escalate_sigkill", reason=reason, elapsed_s=elapsed())
             self.signal(signal.SIGKILL)
             await self.exited.wait()
         self.log.info("runner_reaped", steps=steps, elapsed_s=elapsed())

@@ -9,6 +9,7 @@ never competes with a load for the CPU.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import anyio
 import structlog
@@ -21,6 +22,7 @@ from supervisor.system import process_rss
 log = structlog.get_logger("supervisor.spare")
 
 SPARE_NAME = "(spare)"
+FAILED_AFTER = 3  # spares failing in a row before status calls the spare failed
 
 Spawner = Callable[[RunnerHandle], Awaitable[None]]
 """Starts a handle's process in a task that owns it until it is reaped."""
@@ -58,6 +60,8 @@ class HotSpare:
         self._spawn = spawn
         self.current: RunnerHandle | None = None
         self.closing = False
+        self.failures = 0  # spares in a row that failed to start or died unclaimed
+        self.failure: str | None = None  # the last one's cause
 
     def take(self, spec: ModelConfig) -> RunnerHandle | None:
         """The spare, adopted by ``spec``, or None if there is no live one.
@@ -75,35 +79,66 @@ class HotSpare:
 
     def info(self) -> SpareInfo | None:
         spare = self.current
-        if spare is None or spare.pid is None or not spare.alive:
-            return None
-        return SpareInfo(spare.pid, spare.warm.is_set(), process_rss(spare.pid))
+        if spare is not None and spare.pid is not None and spare.alive:
+            warm = spare.warm.is_set()
+            state: Literal["starting", "warm", "failed"] = "warm" if warm else "starting"
+            return SpareInfo(spare.pid, warm, process_rss(spare.pid), state, self.failure)
+        if self.failures >= FAILED_AFTER:
+            return SpareInfo(None, False, None, "failed", self.failure)
+        return None
 
     async def keep(self) -> None:
-        """Run forever (until closing): keep a spare, replace it when taken or dead."""
-        failures = 0
+        """Run until closing: keep a spare, replace it when taken or dead.
+
+        A spare that fails to start, or dies before it has imported mlx,
+        counts as a failure: the next try waits with backoff (restart_backoff_s doubling to
+        restart_backoff_cap_s), and after a few in a row status shows the
+        spare ``failed`` with the cause. A fault boundary: a bug here is
+        logged and retried the same way, never raised into the daemon.
+        """
         while not self.closing:
-            handle = RunnerHandle(ModelConfig(name=SPARE_NAME, model=""), self.config)
             try:
-                await self._spawn(handle)
-            except RunnerStartError as exc:
-                failures += 1
-                delay = min(self.config.restart_backoff_cap_s, 0.5 * 2**failures)
-                log.error("spare_start_failed", error=str(exc), retry_in_s=delay)
-                await anyio.sleep(delay)  # backoff before the next attempt
+                healthy = await self._keep_one()
+            except Exception as exc:
+                log.exception("spare_task_failed")
+                healthy, self.failure = False, f"internal error: {exc!r}"
+            if healthy:
+                self.failures, self.failure = 0, None
                 continue
-            failures = 0
-            self.current = handle
-            await first_of(handle.claimed, handle.exited)
-            if self.current is handle:  # it died unclaimed
-                self.current = None
-                handle.log.warning("spare_died", cause=handle.exit_info and handle.exit_info.cause)
-                continue
-            await first_of(handle.ready, handle.exited)
+            self.failures += 1
+            delay = min(
+                self.config.restart_backoff_cap_s,
+                self.config.restart_backoff_s * 2 ** (self.failures - 1),
+            )
+            log.error("spare_failed", cause=self.failure, failures=self.failures,
+                      retry_in_s=delay)  # fmt: skip
+            await anyio.sleep(delay)  # the backoff before the next try
+
+    async def _keep_one(self) -> bool:
+        """Start one spare and keep it until it is claimed and its model is
+        ready, or it dies. Returns whether it was healthy (it got warm);
+        otherwise ``self.failure`` says why not."""
+        handle = RunnerHandle(ModelConfig(name=SPARE_NAME, model=""), self.config)
+        try:
+            await self._spawn(handle)
+        except RunnerStartError as exc:
+            self.failure = str(exc)
+            return False
+        self.current = handle
+        await first_of(handle.claimed, handle.exited)
+        if self.current is handle:  # it died unclaimed
+            self.current = None
+            cause = handle.exit_info.cause if handle.exit_info else "spare died"
+            handle.log.warning("spare_died", cause=cause, warm=handle.warm.is_set())
+            if not handle.warm.is_set():
+                self.failure = f"spare died before it imported mlx: {cause}"
+            return handle.warm.is_set()
+        await first_of(handle.ready, handle.exited)
+        return True
 
     async def stop(self) -> None:
         """Stop making spares and shut the current one down (escalating)."""
         self.closing = True
         spare, self.current = self.current, None
         if spare is not None and spare.alive:
-            await spare.escalate_shutdown("daemon shutdown")
+            await spare.escalate("daemon shutdown")

@@ -32,6 +32,8 @@ class DaemonProcess:
         config_path: optional TOML config.
         env: extra environment for the daemon (and so its runners).
         log_file: where to also write the daemon's log lines.
+        new_session: start it in a session (and process group) of its own, as
+            a terminal or launchd would, so a test can signal its group.
     """
 
     def __init__(
@@ -40,11 +42,13 @@ class DaemonProcess:
         config_path: Path | None = None,
         env: dict[str, str] | None = None,
         log_file: Path | None = None,
+        new_session: bool = False,
     ) -> None:
         self.socket_path = socket_path
         self.config_path = config_path
         self.env = {**os.environ, **(env or {})}
         self.log_file = log_file
+        self.new_session = new_session
         self.log_lines: deque[str] = deque(maxlen=5000)
         self.process: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
@@ -70,7 +74,7 @@ class DaemonProcess:
             argv += ["--config", str(self.config_path)]
         self.process = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env=self.env,
+            env=self.env, start_new_session=self.new_session,
         )  # fmt: skip
         assert self.process.stderr is not None
         self._reader = threading.Thread(

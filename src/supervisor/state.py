@@ -69,10 +69,14 @@ class StateFile:
             return DaemonState()
 
     def save(self, state: DaemonState) -> None:
-        """Write ``state`` so that a crash leaves either the old or the new file."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Write ``state`` so that a crash leaves either the old or the new file.
+
+        It holds runner environments: the file is 0600 in a 0700 directory.
+        """
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "wb") as f:
             f.write(msgspec.json.encode(state))
             f.flush()
             os.fsync(f.fileno())

@@ -1,0 +1,460 @@
+"""The daemon never dies of a client's or a runner's mistake, and bounds its load.
+
+Each numbered failure of issue 6 has a test here that failed before its fix:
+real daemons, real runners, real sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import DaemonFactory, assert_reaped
+from ipc import Codec
+from ipc.messages import (
+    FAULTS_ENV,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    GenerateRequest,
+    GenerationDone,
+    Hello,
+    LoadRequest,
+    Queued,
+    SamplingParams,
+    ServerMessage,
+    StatusRequest,
+)
+from runner.builtin import ensure_builtin_model
+from supervisor.client import Client, ClientError
+from supervisor.spawn import DaemonProcess
+
+PROMPT = "The quick brown fox"
+CODEC: Codec[ServerMessage] = Codec(ServerMessage)
+
+
+def faults(spec: str) -> dict[str, str]:
+    return {FAULTS_ENV: spec}
+
+
+def runner_info(client: Client, name: str):  # type: ignore[no-untyped-def]
+    return next(r for r in client.status().runners if r.name == name)
+
+
+def raw_connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(path))
+    return sock
+
+
+def hello_bytes() -> bytes:
+    return CODEC.frame(Hello(PROTOCOL_VERSION, os.getpid(), "client"))
+
+
+def read_frames(sock: socket.socket) -> list[ServerMessage | Hello]:
+    """Everything the daemon sends until it closes the connection (a reset, when
+    it closes with our bytes unread, comes after everything it sent)."""
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    frames: list[ServerMessage | Hello] = []
+    while data:
+        length = int.from_bytes(data[:4], "big")
+        body, data = data[4 : 4 + length], data[4 + length :]
+        frames.append(CODEC.decode_hello(body) if not frames else CODEC.decode(body))
+    return frames
+
+
+# --- 1. a bad runner environment in a request ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"X=Y": "1"}, "is not"),
+        ({"GOOD": "a\x00b"}, "NUL"),
+        ({"LD_PRELOAD": "/tmp/evil.so"}, "what code the runner runs"),
+        ({"DYLD_INSERT_LIBRARIES": "x"}, "what code the runner runs"),
+        ({"PYTHONPATH": "/tmp"}, "what code the runner runs"),
+        ({"": "1"}, "is not"),
+    ],
+)
+def test_bad_runner_env_is_refused_and_nothing_is_spawned(
+    start_daemon: DaemonFactory, env: dict[str, str], reason: str
+) -> None:
+    daemon = start_daemon("hot_spare = false\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    client.load("builtin:tiny", "a")
+    spawned = len(daemon.events("runner_spawned"))
+    with client.generate("a", PROMPT, max_tokens=40) as gen:
+        first = next(gen)
+        with pytest.raises(ClientError) as excinfo:
+            client.load("builtin:tiny", "c", env=env)
+        rest = "".join(gen)
+    assert excinfo.value.code == "bad_request" and reason in excinfo.value.message
+    assert first and rest and gen.done is not None and gen.done.finish_reason == "length"
+    assert len(daemon.events("runner_spawned")) == spawned
+    assert [r.name for r in client.status().runners] == ["a"]
+    assert daemon.process is not None and daemon.process.poll() is None
+
+
+@pytest.mark.parametrize("name", ["x" * 65, "a/b", "tab\there", "bell\x07"])
+def test_bad_model_names_are_refused(client: Client, name: str) -> None:
+    with pytest.raises(ClientError) as excinfo:
+        client.load("builtin:tiny", name)
+    assert excinfo.value.code == "bad_request"
+    assert client.status().runners == []
+
+
+# --- 2. a realtime signal ----------------------------------------------------------------
+
+
+def test_realtime_signal_to_a_runner_and_the_spare_is_named(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("restart_backoff_s = 0.1\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    loaded = client.load("builtin:tiny")
+    rt = signal.SIGRTMIN + 6
+    os.kill(loaded.pid, rt)
+    daemon.wait_until(lambda: runner_info(client, "tiny").restarts == 1
+                      and runner_info(client, "tiny").state == "ready")  # fmt: skip
+    last_exit = runner_info(client, "tiny").last_exit
+    assert last_exit is not None and last_exit.signal == "SIGRTMIN+6"
+    assert "SIGRTMIN+6" in last_exit.cause
+    daemon.wait_until(lambda: (s := client.status().spare) is not None and s.pid is not None)
+    spare = client.status().spare
+    assert spare is not None and spare.pid is not None
+    os.kill(spare.pid, rt)
+    daemon.wait_until(lambda: any(e.get("signal") == "SIGRTMIN+6" and e.get("model") == "(spare)"
+                                  for e in daemon.events("runner_exited")))  # fmt: skip
+    text, _ = client.generate_text("tiny", PROMPT, max_tokens=4)
+    assert text
+
+
+# --- 3. runner log records whose keys clash with ours ------------------------------------
+
+
+def test_runner_log_keys_that_clash_with_ours_are_relayed(
+    client: Client, daemon: DaemonProcess
+) -> None:
+    # The runner logs `load_started` with a key named `source`, as ours does.
+    client.load("builtin:tiny")
+    (record,) = daemon.events("load_started")
+    assert record["source"] == "runner" and record["runner_source"] == "builtin:tiny"
+    assert record["model"] == "tiny" and isinstance(record["runner_pid"], int)
+
+
+# --- 4. terminal signals to the daemon's process group -------------------------------------
+
+
+def test_sighup_to_the_daemons_process_group_does_not_reach_runners(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon(new_session=True)
+    client = Client(daemon.socket_path, timeout_s=60)
+    loaded = client.load("builtin:tiny")
+    os.killpg(daemon.pid, signal.SIGHUP)  # what closing the terminal of `serve &` does
+    daemon.wait_until(lambda: bool(daemon.events("sighup_ignored")))
+    text, _ = client.generate_text("tiny", PROMPT, max_tokens=4)
+    info = runner_info(client, "tiny")
+    assert text and info.pid == loaded.pid and info.restarts == 0 and info.last_exit is None
+    assert os.getpgid(loaded.pid) != os.getpgid(daemon.pid)
+
+
+# --- 5. leaks, spare loops, lost cancels, slow clients ---------------------------------------
+
+
+def test_failed_handshakes_and_loads_leak_no_fds_or_children(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("hot_spare = false\n")
+    client = Client(daemon.socket_path, timeout_s=120)
+    proc = psutil.Process(daemon.pid)
+
+    def quiet_fds() -> int:
+        # A status whose connection we read to EOF: the daemon has closed its end.
+        sock = raw_connect(daemon.socket_path)
+        sock.sendall(hello_bytes() + CODEC.frame(StatusRequest()))
+        read_frames(sock)
+        sock.close()
+        return proc.num_fds()
+
+    fds_before, children_before = quiet_fds(), len(proc.children())
+    for i in range(50):
+        with pytest.raises(ClientError, match="handshake"):
+            client.load("builtin:tiny", f"h{i}", env=faults("exit_in_handshake"))
+    for i in range(45):
+        with pytest.raises(ClientError) as excinfo:
+            client.load("builtin:tiny", f"i{i}", env=faults("exit_at_import"))
+        assert excinfo.value.code == "load_failed"
+    for i in range(5):  # the runner reports the failure itself (these import mlx: slower)
+        with pytest.raises(ClientError, match="no model directory"):
+            client.load(f"/nonexistent/model-{i}", f"l{i}")
+    assert client.status().runners == []
+    assert len(proc.children()) == children_before
+    assert quiet_fds() == fds_before
+
+
+def test_spare_that_cannot_start_backs_off_and_shows_failed(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon(
+        "restart_backoff_s = 0.1\nrestart_backoff_cap_s = 0.8\n",
+        env={FAULTS_ENV: "exit_at_import"},
+    )
+    client = Client(daemon.socket_path, timeout_s=30)
+
+    def spare_failed() -> bool:
+        spare = client.status().spare
+        return spare is not None and spare.state == "failed"
+
+    daemon.wait_until(spare_failed)
+    spare = client.status().spare
+    assert spare is not None and spare.failure is not None and "before it imported" in spare.failure
+    daemon.wait_until(lambda: len(daemon.events("spare_failed")) >= 5)
+    delays = [e["retry_in_s"] for e in daemon.events("spare_failed")][:5]
+    assert delays == [0.1, 0.2, 0.4, 0.8, 0.8]
+
+
+def test_a_cancel_right_behind_its_request_is_never_lost(client: Client) -> None:
+    client.load("builtin:tiny")
+    for _ in range(5):
+        with client.generate("tiny", PROMPT, max_tokens=5000) as gen:
+            gen.cancel()  # before reading anything: it races the request to the runner
+            list(gen)
+        assert gen.done is not None and gen.done.finish_reason == "cancelled"
+        assert gen.done.generation_tokens < 200
+
+
+def test_a_client_that_stops_reading_does_not_block_its_model(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("client_write_timeout_s = 1.0\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    client.load("builtin:tiny")
+    stuck = raw_connect(daemon.socket_path)
+    request = GenerateRequest("tiny", PROMPT, sampling=SamplingParams(max_tokens=100_000))
+    stuck.sendall(hello_bytes() + CODEC.frame(request))
+    try:
+        received = b""
+        while len(received) < 200:  # the Hello and the first chunks: it streams...
+            received += stuck.recv(4096)
+        # ... and from now on the client reads nothing.
+        started = time.monotonic()
+        text, done = client.generate_text("tiny", PROMPT, max_tokens=4)
+        assert text and done.finish_reason == "length"
+        assert time.monotonic() - started < 30
+        gone = daemon.events("client_gone")
+        assert gone and gone[0]["model"] == "tiny"
+    finally:
+        stuck.close()
+
+
+# --- 6. a restore that fails -----------------------------------------------------------------
+
+
+def test_failed_restore_stays_failed_and_desired_until_a_load_retries_it(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "mymodel"
+    shutil.copytree(ensure_builtin_model("builtin:tiny"), model_dir)
+    first = start_daemon()
+    Client(first.socket_path).load(str(model_dir), "mine")
+    first.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+    first.wait()
+    hidden = tmp_path / "hidden"
+    model_dir.rename(hidden)
+
+    def start_on_same_socket() -> DaemonProcess:
+        daemon = DaemonProcess(first.socket_path).start()
+        client = Client(daemon.socket_path, timeout_s=60)
+        daemon.wait_until(lambda: runner_info(client, "mine").state in ("failed", "ready"))
+        return daemon
+
+    second = start_on_same_socket()
+    try:
+        info = runner_info(Client(second.socket_path), "mine")
+        assert info.state == "failed" and info.failure and "no model directory" in info.failure
+    finally:
+        assert second.terminate() == 0
+    third = start_on_same_socket()  # still desired: tried again, failed again
+    try:
+        client = Client(third.socket_path, timeout_s=60)
+        assert runner_info(client, "mine").state == "failed"
+        hidden.rename(model_dir)
+        loaded = client.load(str(model_dir), "mine")  # an explicit load retries it
+        assert loaded.name == "mine" and runner_info(client, "mine").state == "ready"
+    finally:
+        assert third.terminate() == 0
+
+
+# --- 8. relative model paths ------------------------------------------------------------------
+
+
+def test_relative_model_path_is_the_callers(daemon: DaemonProcess, tmp_path: Path) -> None:
+    shutil.copytree(ensure_builtin_model("builtin:tiny"), tmp_path / "here")
+    assert Path.cwd() != tmp_path
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "load", "./here", "--name", "rel",
+         "--socket", str(daemon.socket_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    info = runner_info(Client(daemon.socket_path), "rel")
+    assert info.model == str(tmp_path / "here") and info.state == "ready"
+
+
+# --- 9. a frozen runner -----------------------------------------------------------------------
+
+
+def test_frozen_runner_is_killed_by_missed_pings_in_any_phase(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("ping_timeout_s = 1.0\nprefill_stall_s = 120\nstall_kill_grace_s = 0.2\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    loaded = client.load("builtin:tiny")
+    os.kill(loaded.pid, signal.SIGSTOP)  # frozen just before the request reaches it
+    started = time.monotonic()
+    text, done = client.generate_text("tiny", PROMPT, max_tokens=8)  # retried on the new runner
+    elapsed = time.monotonic() - started
+    assert text and done.generation_tokens == 8
+    assert elapsed < 20  # the prefill timeout alone would take 120 s
+    (stall,) = daemon.events("runner_stalled")
+    assert "no answer to pings" in stall["reason"] and stall["runner_pid"] == loaded.pid
+    assert_reaped(loaded.pid)
+    assert runner_info(client, "tiny").restarts == 1
+
+
+# --- bad input on the socket ------------------------------------------------------------------
+
+
+def test_a_silent_client_and_a_byte_a_second_client_are_cut_off(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("client_idle_timeout_s = 1.0\n")
+    silent = raw_connect(daemon.socket_path)
+    started = time.monotonic()
+    frames = read_frames(silent)  # the daemon's Hello, then it closes
+    assert [type(f) for f in frames] == [Hello]
+    assert 0.9 < time.monotonic() - started < 10
+    silent.close()
+    slow = raw_connect(daemon.socket_path)
+    data = hello_bytes() + CODEC.frame(StatusRequest())
+    started = time.monotonic()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        for byte in data:  # a byte every 0.2 s: the whole request would take seconds
+            slow.send(bytes([byte]))
+            time.sleep(0.2)  # the client's own pace, not a wait for the daemon
+    assert time.monotonic() - started < 10
+    slow.close()
+    assert Client(daemon.socket_path).status().runners == []
+
+
+def test_a_runner_that_sends_garbage_is_killed_and_restarted(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon = start_daemon("restart_backoff_s = 0.1\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    loaded = client.load("builtin:tiny", env=faults(f"garbage_at_token=3,once={tmp_path / 'g'}"))
+    with pytest.raises(ClientError) as excinfo, client.generate("tiny", PROMPT, max_tokens=20) as g:
+        list(g)
+    assert excinfo.value.code == "runner_died" and "SIGKILL" in excinfo.value.message
+    assert daemon.events("runner_protocol_error")
+    assert_reaped(loaded.pid)
+    daemon.wait_until(lambda: runner_info(client, "tiny").state == "ready")
+    assert client.generate_text("tiny", PROMPT, max_tokens=4)[0]
+
+
+# --- load it holds ------------------------------------------------------------------------------
+
+
+def test_queue_bound_refuses_busy_at_once_and_changes_nothing(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("max_queue = 2\nhot_spare = false\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    client.load("builtin:tiny")
+    finished: dict[str, str] = {}
+
+    def wait_in_line(name: str) -> None:
+        _, done = client.generate_text("tiny", PROMPT, max_tokens=3)
+        finished[name] = done.finish_reason
+
+    with client.generate("tiny", PROMPT, max_tokens=100_000) as long:
+        next(long)
+        waiters = [threading.Thread(target=wait_in_line, args=(f"w{i}",)) for i in (1, 2)]
+        for depth, thread in enumerate(waiters, start=1):
+            thread.start()
+            daemon.wait_until(lambda d=depth: runner_info(client, "tiny").queue_depth == d)
+        started = time.monotonic()
+        with pytest.raises(ClientError) as excinfo:
+            client.generate_text("tiny", PROMPT, max_tokens=3)
+        assert time.monotonic() - started < 5  # at once, not after a wait
+        assert excinfo.value.code == "busy" and "max_queue" in excinfo.value.message
+        assert runner_info(client, "tiny").queue_depth == 2  # the refusal changed nothing
+        status_started = time.monotonic()
+        assert client.status().runners[0].state == "busy"  # status answers meanwhile
+        assert time.monotonic() - status_started < 5
+        long.cancel()
+        list(long)
+    for thread in waiters:
+        thread.join(60)
+    assert finished == {"w1": "length", "w2": "length"}
+    assert client.status().counters["requests_refused_busy"] == 1
+
+
+def test_waiting_requests_are_told_their_position_as_they_move(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("hot_spare = false\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    client.load("builtin:tiny")
+    with client.generate("tiny", PROMPT, max_tokens=100_000) as long:
+        next(long)
+        first = raw_connect(daemon.socket_path)
+        first.sendall(hello_bytes() + CODEC.frame(GenerateRequest("tiny", PROMPT)))
+        daemon.wait_until(lambda: runner_info(client, "tiny").queue_depth == 1)
+        second = raw_connect(daemon.socket_path)
+        request = GenerateRequest("tiny", PROMPT, sampling=SamplingParams(max_tokens=2))
+        second.sendall(hello_bytes() + CODEC.frame(request))
+        daemon.wait_until(lambda: runner_info(client, "tiny").queue_depth == 2)
+        first.close()  # the first in line leaves: it is out of the queue at once
+        daemon.wait_until(lambda: runner_info(client, "tiny").queue_depth == 1)
+        assert runner_info(client, "tiny").state == "busy"  # the long one still runs
+        long.cancel()
+        list(long)
+    frames = read_frames(second)
+    second.close()
+    assert [f.position for f in frames if isinstance(f, Queued)] == [2, 1]
+    assert isinstance(frames[-1], GenerationDone) and frames[-1].generation_tokens == 2
+
+
+def test_connections_past_max_connections_are_refused_busy(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("max_connections = 3\n")
+    held = [raw_connect(daemon.socket_path) for _ in range(3)]
+    try:
+        for sock in held:  # each is accepted and counted once the daemon's Hello comes
+            assert sock.recv(4)
+        extra = raw_connect(daemon.socket_path)
+        extra.sendall(hello_bytes() + CODEC.frame(StatusRequest()))
+        frames = read_frames(extra)
+        extra.close()
+        assert isinstance(frames[-1], ErrorReply) and frames[-1].code == "busy"
+    finally:
+        for sock in held:
+            sock.close()
+    assert Client(daemon.socket_path).status() is not None
+
+
+def test_load_request_frames_from_a_raw_client_get_one_answer(daemon: DaemonProcess) -> None:
+    sock = raw_connect(daemon.socket_path)
+    sock.sendall(hello_bytes() + CODEC.frame(LoadRequest("builtin:tiny", "t", env={"A=B": "c"})))
+    frames = read_frames(sock)
+    sock.close()
+    assert isinstance(frames[0], Hello)
+    assert isinstance(frames[-1], ErrorReply) and frames[-1].code == "bad_request"
