@@ -89,3 +89,52 @@ def test_service_print_renders_both_kinds(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         assert str(tmp_path / "s.sock") in result.stdout
         assert "serve" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("runner_stderr_lines = -1", r"`int` >= 0 - at `\$.runner_stderr_lines`"),
+        ("ping_timeout_s = 0", r"`float` >= 0.2 - at `\$.ping_timeout_s`"),
+        ("decode_stall_s = -5.0", r"`float` > 0.0 - at `\$.decode_stall_s`"),
+        ("max_queue = -1", r"`int` >= 0 - at `\$.max_queue`"),
+        ("max_connections = 0", r"`int` >= 1 - at `\$.max_connections`"),
+        ("max_frame_bytes = 10", r"`int` >= 4096 - at `\$.max_frame_bytes`"),
+        ("allowed_uids = [-3]", r"`int` >= 0 - at `\$.allowed_uids\[0\]`"),
+        ("client_write_timeout_s = 0", r"`float` > 0.0 - at `\$.client_write_timeout_s`"),
+    ],
+)
+def test_out_of_range_values_are_errors_naming_key_and_range(
+    tmp_path: Path, line: str, expected: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=expected):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ('name = "a/b"\nmodel = "builtin:tiny"', "hold no '/'"),
+        ('name = "x"\nmodel = "builtin:tiny"\nenv = { LD_PRELOAD = "/x.so" }', "LD_PRELOAD"),
+        ('name = "x"\nmodel = ""', "length >= 1"),
+    ],
+)
+def test_bad_model_tables_are_errors(tmp_path: Path, model: str, expected: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[[models]]\n{model}\n")
+    with pytest.raises(ConfigError, match=expected):
+        load_config(path)
+
+
+def test_serve_with_out_of_range_config_exits_1_without_starting(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("runner_stderr_lines = -1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(path),
+         "--socket", str(tmp_path / "s.sock")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1 and "runner_stderr_lines" in result.stderr
+    assert not (tmp_path / "s.sock").exists()

@@ -37,6 +37,7 @@ from ipc.messages import (
 )
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
+from supervisor.control import ClientGone
 from supervisor.spawn import DaemonProcess
 
 PROMPT = "The quick brown fox"
@@ -140,6 +141,17 @@ def test_realtime_signal_to_a_runner_and_the_spare_is_named(start_daemon: Daemon
                                   for e in daemon.events("runner_exited")))  # fmt: skip
     text, _ = client.generate_text("tiny", PROMPT, max_tokens=4)
     assert text
+
+
+def test_every_signal_number_has_a_name() -> None:
+    from supervisor.runner_handle import describe_exit, signal_name
+
+    assert signal_name(9) == "SIGKILL"
+    assert signal_name(signal.SIGRTMIN) == "SIGRTMIN"
+    assert signal_name(signal.SIGRTMIN + 6) == "SIGRTMIN+6"
+    assert signal_name(200) == "SIG200"
+    exit_info = describe_exit(-200, None, [])
+    assert exit_info.signal == "SIG200" and exit_info.cause == "killed by SIG200"
 
 
 # --- 3. runner log records whose keys clash with ours ------------------------------------
@@ -458,3 +470,41 @@ def test_load_request_frames_from_a_raw_client_get_one_answer(daemon: DaemonProc
     sock.close()
     assert isinstance(frames[0], Hello)
     assert isinstance(frames[-1], ErrorReply) and frames[-1].code == "bad_request"
+
+
+# --- load progress to a slow client (a component test: a real socket that is never read) --
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_load_progress_never_waits_on_a_client_that_does_not_read(tmp_path: Path) -> None:
+    import anyio
+
+    from ipc import AsyncChannel
+    from ipc.messages import ClientMessage, LoadProgress
+    from supervisor.control import Connection, Mailbox
+
+    async with await anyio.create_unix_listener(tmp_path / "p.sock") as listener:
+        client = await anyio.connect_unix(tmp_path / "p.sock")  # it never reads
+        accepted = await listener.accept()
+        conn = Connection(AsyncChannel(accepted, Codec(ClientMessage)), write_timeout_s=0.5)
+        progress: Mailbox[LoadProgress] = Mailbox()
+        puts = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(progress.forward, conn.send)
+            # The model's supervision: far more progress than any socket buffer holds,
+            # each handed over without waiting, while the writer blocks and gives up.
+            while not conn.gone:
+                progress.put(LoadProgress("m", "weights", puts, 0, 0))
+                puts += 1
+                await anyio.sleep(0)
+            progress.close()
+        assert conn.gone and puts > 1000
+        with pytest.raises(ClientGone):
+            await conn.send(LoadProgress("m", "weights", 0, 0, 0))
+        await client.aclose()
+        await accepted.aclose()
