@@ -58,10 +58,13 @@ def status_table(status: StatusReply) -> str:
         f"memory: {format_bytes(system.memory_available_bytes)} available of "
         f"{format_bytes(system.memory_total_bytes)}",
     ]
+    spare = status.spare
+    if spare is not None and spare.state == "failed":
+        lines.append(f"hot spare failed: {spare.failure}")
     if not status.runners:
         lines.append("no models loaded")
         return "\n".join(lines)
-    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "UP", "RESTARTS", "LAST EXIT")
+    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "UP", "QUEUE", "RESTARTS", "LAST EXIT")
     now = time.time()
     rows: list[tuple[str, ...]] = [header]
     for r in status.runners:
@@ -83,6 +86,7 @@ def _runner_row(r: RunnerInfo, now: float) -> tuple[str, ...]:
         r.state,
         format_bytes(r.rss_bytes),
         up,
+        str(r.queue_depth),
         str(r.restarts),
         last,
     )
