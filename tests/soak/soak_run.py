@@ -7,9 +7,12 @@ Run it as a test (``tests/soak/test_soak.py``, about 60 s in CI) or alone:
 A private daemon serves several ``builtin:tiny`` models. Client threads stream
 generations (some cancelled, some abandoned midway), a churn thread loads and
 unloads a model, a chaos thread kills runners with random signals at random
-moments (while loading, prefilling, decoding or idle), and one model hangs at
-random (a blocking C call with SIGTERM masked) for the stall watchdog to find.
-At the end the invariants are checked and printed as a table.
+moments (while loading, prefilling, decoding or idle) or freezes them with
+SIGSTOP (left stopped: the daemon must notice the silence, kill and reap the
+runner and restart its model), and one model hangs at random (a blocking C
+call with SIGTERM masked) for the stall watchdog to find. Every client request
+is timed: none may wait more than 30 s beyond its own generation time. At the
+end the invariants are checked and printed as a table.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,12 +44,16 @@ HANGY = "hangy"
 CHURN = "churn"
 CLIENTS = 4
 REQUEST_TIMEOUT_S = 60.0
-SIGNALS = ["SIGKILL", "SIGSEGV", "SIGABRT", "SIGTERM", "SIGBUS"]
+FREEZE = "SIGSTOP"  # the runner is left stopped: only the daemon's liveness pings find it
+SIGNALS = ["SIGKILL", "SIGSEGV", "SIGABRT", "SIGTERM", "SIGBUS", FREEZE]
 # Signals that end a process on delivery: kill -> noticed is the detection latency.
 # (SIGTERM waits for the runner's handler, which a busy C call delays.)
 IMMEDIATE = {"SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS"}
 # Errors that name a cause: anything else (timeouts, protocol errors) is a failure.
 CAUSED_ERRORS = {"runner_died", "not_ready", "unknown_model", "already_loaded", "load_failed"}
+# A request may wait (queue, load, restart, a frozen runner found and killed) this
+# long in all, besides the time its tokens took to stream.
+WAIT_BOUND_S = 30.0
 
 CONFIG = """
 restart_backoff_s = 0.2
@@ -72,6 +80,54 @@ class Kill:
 
 
 @dataclass
+class RequestTiming:
+    """One client request, timed on the client's monotonic clock.
+
+    ``kind`` is ``generate``, ``load`` or ``unload``; ``outcome`` is
+    ``completed``, ``cancelled``, ``abandoned`` or the error code.
+    """
+
+    kind: str
+    model: str
+    started: float
+    first_token: float | None = None
+    last_token: float | None = None
+    ended: float | None = None
+    tokens: int = 0
+    outcome: str = ""
+
+    def token(self, tokens: int) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+        self.tokens = tokens
+
+    @property
+    def generation_s(self) -> float:
+        """First token to the end; for a request that did not complete, to the
+        last token it streamed (what came after that was waiting)."""
+        if self.first_token is None or self.last_token is None:
+            return 0.0
+        end = self.ended if self.outcome == "completed" and self.ended else self.last_token
+        return end - self.first_token
+
+    def waited_s(self, now: float | None = None) -> float:
+        """Time not spent generating: all of it minus ``generation_s``."""
+        end = self.ended if self.ended is not None else (now or time.monotonic())
+        return end - self.started - self.generation_s
+
+    def describe(self, since: float) -> str:
+        ttft = "-" if self.first_token is None else f"{self.first_token - self.started:.1f} s"
+        ended = "still waiting" if self.ended is None else self.outcome
+        return (
+            f"{self.kind} {self.model} at {self.started - since:.1f} s: {ended}, "
+            f"waited {self.waited_s():.1f} s (ttft {ttft}, {self.tokens} tokens "
+            f"in {self.generation_s:.1f} s)"
+        )
+
+
+@dataclass
 class SoakResult:
     duration_s: float
     requests: Counter[str] = field(default_factory=Counter)
@@ -80,6 +136,9 @@ class SoakResult:
     kills: list[Kill] = field(default_factory=list)
     detection_ms: list[float] = field(default_factory=list)
     recovery_ms: list[float] = field(default_factory=list)
+    freeze_killed_ms: list[float] = field(default_factory=list)  # SIGSTOP -> runner_exited
+    freeze_ready_ms: list[float] = field(default_factory=list)  # SIGSTOP -> model_ready
+    timings: list[RequestTiming] = field(default_factory=list)
     invariants: dict[str, tuple[bool, str]] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # t, fds, rss
@@ -113,6 +172,33 @@ class Soak:
         self.seen_pids: set[int] = set()
         self.daemon: DaemonProcess | None = None
         self.client: Client | None = None
+        self.started = time.monotonic()
+        self.in_flight: dict[int, RequestTiming] = {}  # by thread id
+
+    # --- request timing --------------------------------------------------------
+
+    def begin(self, kind: str, model: str) -> RequestTiming:
+        timing = RequestTiming(kind, model, time.monotonic())
+        with self.lock:
+            self.in_flight[threading.get_ident()] = timing
+        return timing
+
+    def finish(self, timing: RequestTiming, outcome: str) -> None:
+        timing.ended = time.monotonic()
+        timing.outcome = outcome
+        with self.lock:
+            self.in_flight.pop(threading.get_ident(), None)
+            self.result.timings.append(timing)
+
+    def timed(self, kind: str, model: str, call: Callable[[RequestTiming], object]) -> None:
+        """Make one request, timed; a ClientError is its outcome, and is re-raised."""
+        timing = self.begin(kind, model)
+        try:
+            call(timing)
+        except ClientError as exc:
+            self.finish(timing, exc.code)
+            raise
+        self.finish(timing, "completed")
 
     # --- workers ---------------------------------------------------------------
 
@@ -122,11 +208,13 @@ class Soak:
         while not self.stop.is_set():
             name = rng.choice([*MODELS, HANGY, CHURN])
             mode = rng.choices(["full", "cancel", "abandon"], weights=[6, 2, 1])[0]
+            timing = self.begin("generate", name)
             try:
                 with self.client.generate(
                     name, f"client {index} says", max_tokens=rng.randint(5, 60)
                 ) as gen:
                     for n, _ in enumerate(gen):
+                        timing.token(gen.tokens)
                         if mode == "cancel" and n == 3:
                             gen.cancel()
                         if mode == "abandon" and n == 3:
@@ -134,37 +222,54 @@ class Soak:
                 outcome = "abandoned" if mode == "abandon" and gen.done is None else "completed"
                 if gen.done is not None and gen.done.finish_reason == "cancelled":
                     outcome = "cancelled"
+                if gen.done is not None:
+                    timing.tokens = gen.done.generation_tokens
                 self.count_request(outcome)
             except ClientError as exc:
+                outcome = exc.code
                 self.count_error(exc)
+            self.finish(timing, outcome)
 
     def churn_loop(self) -> None:
         assert self.client is not None
+        client = self.client
+
+        def stream(timing: RequestTiming) -> None:
+            with client.generate(CHURN, "churn", max_tokens=10) as gen:
+                for _ in gen:
+                    timing.token(gen.tokens)
+
         while not self.stop.is_set():
             try:
-                self.client.load("builtin:tiny", CHURN)
-                self.client.generate_text(CHURN, "churn", max_tokens=10)
-                self.client.unload(CHURN)
+                self.timed("load", CHURN, lambda _: client.load("builtin:tiny", CHURN))
+                self.timed("generate", CHURN, stream)
+                self.timed("unload", CHURN, lambda _: client.unload(CHURN))
                 self.count_request("churn_cycle")
             except ClientError as exc:
                 self.count_error(exc)
                 if exc.code in ("already_loaded", "runner_died"):
                     try:
-                        self.client.unload(CHURN)
+                        self.timed("unload", CHURN, lambda _: client.unload(CHURN))
                     except ClientError as again:
                         self.count_error(again)
 
     def chaos_loop(self) -> None:
         assert self.client is not None
+        # A stopped process gets no signal but SIGKILL until it is killed: spare the
+        # frozen ones, or their freeze would be measured as a slow kill -> noticed.
+        frozen: set[int] = set()
         while not self.stop.wait(self.random.uniform(1.0, 2.5)):  # the chaos cadence
             try:
                 status = self.client.status()
             except ClientError as exc:
                 self.count_error(exc)
                 continue
-            targets = [(r.pid, r.name, r.state) for r in status.runners if r.pid]
-            if status.spare is not None:
+            targets: list[tuple[int, str, str]] = [
+                (r.pid, r.name, r.state) for r in status.runners if r.pid
+            ]
+            if status.spare is not None and status.spare.pid:  # none while it restarts
                 targets.append((status.spare.pid, "(spare)", "spare"))
+            targets = [t for t in targets if t[0] not in frozen]
             if not targets:
                 continue
             pid, name, state = self.random.choice(targets)
@@ -174,6 +279,8 @@ class Soak:
                 os.kill(pid, signal.Signals[signame])
             except ProcessLookupError:
                 continue
+            if signame == FREEZE:
+                frozen.add(pid)
             with self.lock:
                 self.result.kills.append(kill)
 
@@ -241,6 +348,7 @@ class Soak:
                 threading.Thread(target=self.chaos_loop),
                 threading.Thread(target=self.monitor_loop),
             ]
+            self.started = time.monotonic()
             for worker in workers:
                 worker.start()
             self.stop.wait(self.duration_s)  # the soak's length
@@ -253,6 +361,7 @@ class Soak:
                 not hung,
                 f"threads still waiting: {hung}" if hung else "",
             )
+            self.check_wait_bound(inv)
             inv["errors all name a cause"] = (
                 not self.result.bad_errors,
                 "; ".join(self.result.bad_errors[:3]),
@@ -260,7 +369,7 @@ class Soak:
             inv["supervisor alive throughout"] = (daemon.process.poll() is None, "")  # type: ignore[union-attr]
             self.check_recovered(inv)
             self.result.counters = self.client.status().counters
-            self.measure_latencies()
+            self.measure_latencies(inv)
             self.check_growth(inv)
             lingering = sorted(self.result.lingering_zombies)
             inv["zero zombies (none left unreaped for 1 s)"] = (
@@ -306,10 +415,34 @@ class Soak:
             detail or (f"failed: {failed}" if failed else "all ready"),
         )
 
-    def measure_latencies(self) -> None:
-        """Kill -> noticed (the daemon's runner_exited) and kill -> ready again."""
+    def check_wait_bound(self, inv: dict[str, tuple[bool, str]]) -> None:
+        """Every request ended within WAIT_BOUND_S plus its own generation time
+        (a request still in flight counts with the time it has waited so far)."""
+        now = time.monotonic()
+        with self.lock:
+            timings = [*self.result.timings, *self.in_flight.values()]
+        late = sorted(
+            (t for t in timings if t.waited_s(now) > WAIT_BOUND_S), key=lambda t: -t.waited_s(now)
+        )
+        waits = [t.waited_s(now) for t in timings]
+        detail = (
+            f"{len(timings)} requests, waited p50 {percentile(waits, 50):.2f} s, "
+            f"p99 {percentile(waits, 99):.2f} s, max {max(waits, default=0):.1f} s"
+        )
+        if late:
+            shown = "; ".join(t.describe(self.started) for t in late[:3])
+            detail += f"; {len(late)} over {WAIT_BOUND_S:g} s: {shown}"
+        inv[f"every request ended within {WAIT_BOUND_S:g} s + its generation time"] = (
+            not late,
+            detail,
+        )
+
+    def measure_latencies(self, inv: dict[str, tuple[bool, str]]) -> None:
+        """Kill -> noticed (the daemon's runner_exited) and kill -> ready again;
+        for a frozen runner, freeze -> killed and freeze -> ready, and whether
+        every frozen runner was killed at all."""
         assert self.daemon is not None
-        exited = {}
+        exited: dict[object, float] = {}
         ready: dict[str, list[float]] = {}
         for line in self.log_path.read_text(encoding="utf-8").splitlines():
             try:
@@ -320,14 +453,30 @@ class Soak:
                 exited.setdefault(record.get("runner_pid"), log_time(record))
             elif record.get("event") == "model_ready":
                 ready.setdefault(str(record.get("model")), []).append(log_time(record))
+        never_killed = []
         for kill in self.result.kills:
             noticed = exited.get(kill.pid)
             if kill.signal in IMMEDIATE and noticed is not None and noticed >= kill.at - 0.01:
                 self.result.detection_ms.append(max(0.0, (noticed - kill.at) * 1000))
+            if kill.signal == FREEZE:
+                if noticed is None:
+                    never_killed.append(kill.pid)
+                elif noticed >= kill.at - 0.01:
+                    self.result.freeze_killed_ms.append(max(0.0, (noticed - kill.at) * 1000))
             if kill.model in MODELS or kill.model == HANGY:
                 after = [t for t in ready.get(kill.model, []) if t > kill.at]
                 if after:
-                    self.result.recovery_ms.append((after[0] - kill.at) * 1000)
+                    res = self.result
+                    figure = res.freeze_ready_ms if kill.signal == FREEZE else res.recovery_ms
+                    figure.append((after[0] - kill.at) * 1000)
+        frozen = sum(1 for k in self.result.kills if k.signal == FREEZE)
+        killed = self.result.freeze_killed_ms
+        inv["every frozen runner (SIGSTOP) killed and reaped"] = (
+            not never_killed,
+            f"pids never exited: {never_killed}"
+            if never_killed
+            else f"{frozen} frozen, freeze->killed max {max(killed, default=0) / 1000:.1f} s",
+        )
 
     def quiet_fds(self) -> int:
         """The daemon's open fds in a quiet state: the soak's models ready, the
@@ -344,7 +493,14 @@ class Soak:
                     and all(r.state in ("ready", "failed") for r in status.runners))  # fmt: skip
 
         self.daemon.wait_until(quiet, timeout_s=60)
-        return int(psutil.Process(self.daemon.pid).num_fds())
+        # The last status connection may still be closing on the daemon's side
+        # (seen: one socket fd, gone 50 ms later): the least of a few reads.
+        daemon = psutil.Process(self.daemon.pid)
+        counts = []
+        for _ in range(10):
+            counts.append(int(daemon.num_fds()))
+            time.sleep(0.05)
+        return min(counts)
 
     def check_growth(self, inv: dict[str, tuple[bool, str]]) -> None:
         """fds: quiet state before the chaos == quiet state after. RSS: the
@@ -378,6 +534,8 @@ def report(result: SoakResult) -> str:
     for name, (ok, detail) in result.invariants.items():
         lines.append(f"{name} | {'PASS' if ok else 'FAIL'} | {detail}")
     det, rec = result.detection_ms, result.recovery_ms
+    fk, fr = result.freeze_killed_ms, result.freeze_ready_ms
+    waits = [t.waited_s() for t in result.timings]
     counters = result.counters
     lines += [
         "",
@@ -392,13 +550,21 @@ def report(result: SoakResult) -> str:
         f"errors (all naming a cause) | {tally(result.errors)}",
         f"detection kill->noticed ({'/'.join(sorted(IMMEDIATE))}) | "
         f"p50 {percentile(det, 50):.1f} ms, p99 {percentile(det, 99):.1f} ms (n={len(det)})",
-        f"recovery kill->ready | "
+        f"recovery kill->ready (all but {FREEZE}) | "
         f"p50 {percentile(rec, 50):.0f} ms, p99 {percentile(rec, 99):.0f} ms (n={len(rec)})",
+        f"freeze ({FREEZE}) -> killed | "
+        f"p50 {percentile(fk, 50):.0f} ms, p99 {percentile(fk, 99):.0f} ms (n={len(fk)})",
+        f"freeze ({FREEZE}) -> ready | "
+        f"p50 {percentile(fr, 50):.0f} ms, p99 {percentile(fr, 99):.0f} ms (n={len(fr)})",
+        f"request wait (all minus generation time) | "
+        f"p50 {percentile(waits, 50) * 1000:.0f} ms, p99 {percentile(waits, 99) * 1000:.0f} ms, "
+        f"max {max(waits, default=0) * 1000:.0f} ms (n={len(waits)}, bound {WAIT_BOUND_S:g} s)",
     ]
     return "\n".join(lines)
 
 
 def to_json(result: SoakResult) -> dict[str, Any]:
+    waits = [t.waited_s() for t in result.timings]
     return {
         "duration_s": result.duration_s,
         "passed": result.passed,
@@ -409,17 +575,21 @@ def to_json(result: SoakResult) -> dict[str, Any]:
         "counters": result.counters,
         "requests": dict(result.requests),
         "errors": dict(result.errors),
-        "detection_ms": {
-            "p50": percentile(result.detection_ms, 50),
-            "p99": percentile(result.detection_ms, 99),
-            "n": len(result.detection_ms),
-        },
-        "recovery_ms": {
-            "p50": percentile(result.recovery_ms, 50),
-            "p99": percentile(result.recovery_ms, 99),
-            "n": len(result.recovery_ms),
-        },
+        "detection_ms": summary(result.detection_ms),
+        "recovery_ms": summary(result.recovery_ms),
+        "freeze_killed_ms": summary(result.freeze_killed_ms),
+        "freeze_ready_ms": summary(result.freeze_ready_ms),
+        "request_wait_s": {**summary(waits), "max": max(waits, default=0.0)},
+        "requests_over_wait_bound": [
+            asdict(t) | {"waited_s": t.waited_s(), "generation_s": t.generation_s}
+            for t in result.timings
+            if t.waited_s() > WAIT_BOUND_S
+        ],
     }
+
+
+def summary(values: list[float]) -> dict[str, float | int]:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
 
 
 def run_soak(duration_s: float, seed: int = 0) -> SoakResult:
