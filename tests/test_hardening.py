@@ -367,6 +367,30 @@ def test_a_silent_client_and_a_byte_a_second_client_are_cut_off(
     assert Client(daemon.socket_path).status().runners == []
 
 
+def test_an_error_quoting_huge_hostile_input_still_fits_a_frame(
+    start_daemon: DaemonFactory,
+) -> None:
+    # Found by the fuzzer: msgspec quotes the bad value, and the reply outgrew the
+    # frame limit; raising that from the error path took the daemon down.
+    daemon = start_daemon("max_frame_bytes = 65536\n")
+    import msgspec
+
+    hostile = msgspec.msgpack.encode(
+        {"type": "hello", "protocol_version": PROTOCOL_VERSION, "pid": 1, "role": "x" * 65000}
+    )
+    sock = raw_connect(daemon.socket_path)
+    sock.sendall(len(hostile).to_bytes(4, "big") + hostile)
+    frames = read_frames(sock)
+    sock.close()
+    reply = frames[-1]
+    assert isinstance(reply, ErrorReply) and reply.code == "protocol"
+    assert reply.message.endswith("(cut)") and len(reply.message) < 2000
+    assert Client(daemon.socket_path).status().runners == []
+    with pytest.raises(ClientError) as excinfo:
+        Client(daemon.socket_path).load("/x" * 3000, "long")
+    assert excinfo.value.code == "bad_request" and "at most 4096" in excinfo.value.message
+
+
 def test_a_runner_that_sends_garbage_is_killed_and_restarted(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:

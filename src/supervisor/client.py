@@ -208,8 +208,11 @@ def local_model_reference(model: str) -> str:
     repo ids and ``builtin:`` names pass unchanged."""
     if model.startswith("builtin:"):
         return model
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.is_dir() else model
+    try:
+        path = Path(model).expanduser()
+        return str(path.resolve()) if path.is_dir() else model
+    except (OSError, RuntimeError, ValueError):  # not a usable path here: the daemon decides
+        return model
 
 
 def check_daemon_credentials(sock: socket.socket, socket_path: Path) -> None:

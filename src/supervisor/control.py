@@ -52,6 +52,7 @@ from supervisor.system import system_info
 log = structlog.get_logger("supervisor.control")
 
 T = TypeVar("T")
+MAX_ERROR_MESSAGE_CHARS = 1000
 
 
 class DaemonAlreadyRunning(Exception):
@@ -121,7 +122,10 @@ class Connection:
             raise ClientGone(str(exc)) from None
 
     async def send_error(self, code: ErrorCode, message: str) -> None:
-        """Best effort: the client may be gone already."""
+        """Best effort: the client may be gone already. A long message (one
+        that quotes hostile input) is cut, so the reply always fits a frame."""
+        if len(message) > MAX_ERROR_MESSAGE_CHARS:
+            message = message[:MAX_ERROR_MESSAGE_CHARS] + "... (cut)"
         with contextlib.suppress(ClientGone):
             await self.send(ErrorReply(code, message))
 
@@ -192,10 +196,22 @@ class ControlServer:
         self.codec: Codec[ClientMessage] = Codec(ClientMessage, config.max_frame_bytes)
 
     async def handle_connection(self, stream: ByteStream) -> None:
-        """Check the peer, handshake, read one request, answer it. Never raises."""
+        """Check the peer, handshake, read one request, answer it. Never raises:
+        a connection is a fault boundary."""
         channel: AsyncChannel[ClientMessage] = AsyncChannel(stream, self.codec)
-        conn = Connection(channel, self.config.client_write_timeout_s)
         self.connections += 1
+        try:
+            await self._serve_connection(channel)
+        except Exception:  # even a failure to report a failure ends here
+            log.exception("connection_failed")
+        finally:
+            self.connections -= 1
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await channel.aclose()
+
+    async def _serve_connection(self, channel: AsyncChannel[ClientMessage]) -> None:
+        conn = Connection(channel, self.config.client_write_timeout_s)
+        stream = channel.stream
         try:
             refusal = self._refusal(stream)
             if refusal is not None:
@@ -220,10 +236,6 @@ class ControlServer:
         except Exception as exc:  # a fault boundary: the daemon outlives any one request
             log.exception("request_handler_failed")
             await conn.send_error("internal", f"internal error: {exc!r}")
-        finally:
-            self.connections -= 1
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await channel.aclose()
 
     def _refusal(self, stream: ByteStream) -> tuple[ErrorCode, str] | None:
         """Why this connection is not served (a foreign uid, too many

@@ -46,7 +46,7 @@ from ipc.messages import Cancel as CancelCommand
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
-from supervisor.security import env_problem, model_name_problem
+from supervisor.security import env_problem, model_name_problem, model_reference_problem
 from supervisor.spare import HotSpare
 from supervisor.system import process_rss
 
@@ -345,7 +345,11 @@ class Registry:
         """
         if self.closing:
             raise RequestError("shutting_down", "the daemon is shutting down")
-        problem = model_name_problem(spec.name) or env_problem(spec.env)
+        problem = (
+            model_name_problem(spec.name)
+            or model_reference_problem(spec.model)
+            or env_problem(spec.env)
+        )
         if problem:
             raise RequestError("bad_request", problem)
         old = self.entries.get(spec.name)

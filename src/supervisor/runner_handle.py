@@ -51,6 +51,7 @@ _LEVELS = {"debug", "info", "warning", "error", "critical"}
 _RESERVED_KEYS = {"source", "event", "level", "timestamp", "model", "runner_pid", "exc_info",
                   "stack_info", "self"}  # fmt: skip
 MAX_LOG_LINE_BYTES = 64 * 1024
+MAX_TAIL_LINE_CHARS = 500
 
 
 class RunnerGone(Exception):
@@ -350,7 +351,7 @@ class RunnerHandle:
         if not text:
             return
         if source == "stderr":
-            self.stderr_tail.append(text)
+            self.stderr_tail.append(text[:MAX_TAIL_LINE_CHARS])  # it travels in status replies
         try:
             record = json.loads(text)
         except ValueError:

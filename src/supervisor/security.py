@@ -22,6 +22,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Names that change what code a runner executes (its loader or interpreter).
 FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
 MODEL_NAME_MAX = 64
+MODEL_REFERENCE_MAX = 4096  # a path or repo id; it is shown in every status reply
 
 
 class Credentials(NamedTuple):
@@ -105,4 +106,15 @@ def model_name_problem(name: str) -> str | None:
         return f"a model name has at most {MODEL_NAME_MAX} characters, got {len(name)}"
     if "/" in name or not name.isprintable():
         return f"model name {name!r} must be printable and hold no '/'"
+    return None
+
+
+def model_reference_problem(model: str) -> str | None:
+    """Why ``model`` (a repo id, local path or ``builtin:`` name) is refused, or None."""
+    if not model:
+        return "a model reference must not be empty"
+    if len(model) > MODEL_REFERENCE_MAX:
+        return f"a model reference has at most {MODEL_REFERENCE_MAX} characters, got {len(model)}"
+    if not model.isprintable():
+        return "a model reference must be printable (no control characters)"
     return None
