@@ -60,8 +60,16 @@ case "$command" in
     exec .venv/bin/python tests/soak/soak_run.py --duration "$duration" \
       --out bench/results/soak.json "$@"
     ;;
+  fuzz)
+    ensure_venv
+    cases=${1:-10000}
+    shift || true
+    mkdir -p bench/results
+    exec .venv/bin/python tests/fuzz/fuzz_run.py --cases "$cases" \
+      --out bench/results/fuzz.json "$@"
+    ;;
   *)
-    echo "usage: bash run.sh demo|test|lint|bench|soak [args...]" >&2
+    echo "usage: bash run.sh demo|test|lint|bench|soak|fuzz [args...]" >&2
     exit 2
     ;;
 esac
