@@ -388,7 +388,7 @@ def test_an_error_quoting_huge_hostile_input_still_fits_a_frame(
     assert Client(daemon.socket_path).status().runners == []
     with pytest.raises(ClientError) as excinfo:
         Client(daemon.socket_path).load("/x" * 3000, "long")
-    assert excinfo.value.code == "bad_request" and "at most 4096" in excinfo.value.message
+    assert excinfo.value.code == "bad_request" and "<= 4096 - at `$.model`" in excinfo.value.message
 
 
 def test_a_runner_that_sends_garbage_is_killed_and_restarted(
@@ -477,10 +477,13 @@ def test_connections_past_max_connections_are_refused_busy(start_daemon: DaemonF
         for sock in held:  # each is accepted and counted once the daemon's Hello comes
             assert sock.recv(4)
         extra = raw_connect(daemon.socket_path)
-        extra.sendall(hello_bytes() + CODEC.frame(StatusRequest()))
+        extra.sendall(hello_bytes() + CODEC.frame(GenerateRequest("tiny", PROMPT)))
         frames = read_frames(extra)
         extra.close()
         assert isinstance(frames[-1], ErrorReply) and frames[-1].code == "busy"
+        assert "max_connections" in frames[-1].message
+        # ...but an operator can still look (and unload, and shut down).
+        assert Client(daemon.socket_path).status().runners == []
     finally:
         for sock in held:
             sock.close()
@@ -532,3 +535,82 @@ async def test_load_progress_never_waits_on_a_client_that_does_not_read(tmp_path
             await conn.send(LoadProgress("m", "weights", 0, 0, 0))
         await client.aclose()
         await accepted.aclose()
+
+
+# --- found in review: the daemon's own surroundings ----------------------------------------
+
+
+def test_the_daemon_outlives_the_reader_of_its_stderr(tmp_path: Path) -> None:
+    # The terminal of `serve &` closed, or a log pipe whose reader died: writes fail.
+    socket_path = tmp_path / "s.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "serve", "--socket", str(socket_path)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:  # its own word that it serves
+            if b'"daemon_started"' in line:
+                break
+        process.stderr.close()  # nobody reads its log any more
+        client = Client(socket_path, timeout_s=60)
+        client.load("builtin:tiny")  # logs a lot: every write now fails
+        assert client.generate_text("tiny", PROMPT, max_tokens=4)[0]
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_running_out_of_fds_pauses_accepting_and_never_ends_the_daemon(
+    start_daemon: DaemonFactory,
+) -> None:
+    import resource
+
+    daemon = start_daemon("client_idle_timeout_s = 1.0\nhot_spare = false\n")
+    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (48, 48))
+    idle = [raw_connect(daemon.socket_path) for _ in range(80)]  # far past 48 fds
+    try:
+        daemon.wait_until(lambda: bool(daemon.events("accept_failed")))
+    finally:
+        for sock in idle:
+            sock.close()
+    assert Client(daemon.socket_path, timeout_s=30).status().runners == []
+    assert daemon.process is not None and daemon.process.poll() is None
+
+
+def test_a_paused_daemon_does_not_kill_its_healthy_runners_when_it_resumes(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("ping_timeout_s = 1.0\n")
+    client = Client(daemon.socket_path, timeout_s=60)
+    loaded = client.load("builtin:tiny")
+    os.kill(daemon.pid, signal.SIGSTOP)  # Ctrl-Z, a debugger, a frozen container
+    time.sleep(2.5)  # how long it stays paused: the test's input, not a wait
+    os.kill(daemon.pid, signal.SIGCONT)
+    assert client.generate_text("tiny", PROMPT, max_tokens=20)[0]
+    info = runner_info(client, "tiny")
+    assert info.pid == loaded.pid and info.restarts == 0
+    assert not daemon.events("runner_stalled")
+
+
+def test_a_load_request_out_of_the_config_ranges_is_refused(client: Client) -> None:
+    # Accepted, it made the whole state file unreadable for the next daemon.
+    for max_tokens in (2_000_000, -1):
+        with pytest.raises(ClientError) as excinfo:
+            client.load("builtin:tiny", max_tokens=max_tokens)
+        assert excinfo.value.code == "bad_request" and "max_tokens" in excinfo.value.message
+    assert client.status().runners == []
+
+
+def test_restart_backoff_never_overflows() -> None:
+    from ipc.messages import ExitInfo
+    from supervisor.restart import RestartIntensity, RestartTracker
+
+    tracker = RestartTracker("always", RestartIntensity(max_restarts=5000, backoff_cap_s=30))
+    crash = ExitInfo(None, "SIGKILL", "killed by SIGKILL")
+    delays = [tracker.decide(crash, now=float(i)).delay_s for i in range(1100)]
+    assert delays[0] == 0.0 and delays[-1] == 30.0

@@ -159,6 +159,14 @@ def test_allowed_uids_lets_another_user_in(open_dir: Path, nobody: int) -> None:
     talk = raw_status()
     answer = frames(as_user(nobody, lambda: talk(daemon.socket_path)))
     assert isinstance(answer[-1], StatusReply)
+
+    owner = os.geteuid()
+
+    def shipped_client() -> bytes:  # told to trust the daemon's uid, as a user would
+        status = Client(daemon.socket_path, timeout_s=20, daemon_uid=owner).status()
+        return str(status.supervisor.pid).encode()
+
+    assert as_user(nobody, shipped_client) == str(daemon.pid).encode()
     assert not daemon.events("client_refused")
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]

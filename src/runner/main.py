@@ -105,6 +105,7 @@ class Runner:
         # a Cancel that overtakes its request's start is kept, never lost.
         self.pending: set[int] = set()
         self.cancelled_ids: set[int] = set()
+        self.shutting_down = False
         self.name = "?"
         self.model: Any = None
         self.tokenizer: Any = None
@@ -129,8 +130,9 @@ class Runner:
                 log.error("protocol_error", error=str(exc))
                 os._exit(EXIT_PROTOCOL)
             if isinstance(command, Ping):
+                # No mlx call here: liveness must not depend on what mlx is doing.
                 with contextlib.suppress(OSError):
-                    self.channel.send(Pong(command.seq, memory_figures()[0]))
+                    self.channel.send(Pong(command.seq, 0))
                 continue
             if isinstance(command, Cancel):
                 with self._lock:
@@ -146,7 +148,9 @@ class Runner:
                 if "ignore_shutdown" in self.faults:
                     log.warning("fault_ignoring_shutdown")
                     continue
-                self.cancelled.set()  # finish the current request early
+                with self._lock:  # finish the current request, and any queued, early
+                    self.shutting_down = True
+                    self.cancelled.set()
             self.commands.put(command)
 
     # --- the main thread -----------------------------------------------------
@@ -201,7 +205,7 @@ class Runner:
         with self._lock:
             self.current_request = request.request_id
             self.cancelled.clear()
-            if request.request_id in self.cancelled_ids:
+            if request.request_id in self.cancelled_ids or self.shutting_down:
                 self.cancelled.set()
         def send(message: TextChunk | Heartbeat) -> None:
             tokens = message.generation_tokens if isinstance(message, TextChunk) else 0

@@ -79,13 +79,20 @@ class Client:
             or the per-user runtime dir.
         timeout_s: give up on a reply (or the next piece of a stream) after
             this long, with ClientError code ``timeout``; None waits forever.
+        daemon_uid: the uid the daemon must run as; default our own, or
+            ``$MLX_SUPERVISOR_DAEMON_UID`` (to use another user's daemon that
+            lists us in its ``allowed_uids``).
     """
 
     def __init__(
-        self, socket_path: str | Path | None = None, timeout_s: float | None = None
+        self,
+        socket_path: str | Path | None = None,
+        timeout_s: float | None = None,
+        daemon_uid: int | None = None,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
         self.timeout_s = timeout_s
+        self.daemon_uid = expected_daemon_uid(daemon_uid)
 
     def connect(self, first: ClientMessage | None = None) -> BlockingChannel[ServerMessage]:
         """Open a connection and shake hands, sending ``first`` (the request)
@@ -111,7 +118,7 @@ class Client:
                 "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
             ) from exc
         try:
-            check_daemon_credentials(sock, self.socket_path)
+            check_daemon_credentials(sock, self.socket_path, self.daemon_uid)
         except ClientError:
             sock.close()
             raise
@@ -215,21 +222,34 @@ def local_model_reference(model: str) -> str:
         return model
 
 
-def check_daemon_credentials(sock: socket.socket, socket_path: Path) -> None:
-    """Refuse a socket served by another user's process (it could be anyone's).
+DAEMON_UID_ENV = "MLX_SUPERVISOR_DAEMON_UID"
+
+
+def expected_daemon_uid(given: int | None) -> int:
+    """The uid a daemon must run as: ``given``, else ``$MLX_SUPERVISOR_DAEMON_UID``,
+    else our own."""
+    if given is not None:
+        return given
+    env = os.environ.get(DAEMON_UID_ENV, "")
+    return int(env) if env.isdigit() else os.geteuid()
+
+
+def check_daemon_credentials(sock: socket.socket, socket_path: Path, daemon_uid: int) -> None:
+    """Refuse a socket served by anyone but ``daemon_uid`` (a socket in a shared
+    place could be anyone's): not one byte of our request is sent to it.
 
     Raises:
-        ClientError: code ``forbidden``, the peer is not our uid.
+        ClientError: code ``forbidden``, the peer is another uid.
     """
     try:
         peer = peer_credentials(sock)
     except OSError as exc:
         raise ClientError("forbidden", f"cannot tell who serves {socket_path}: {exc}") from exc
-    if peer.uid != os.geteuid():
+    if peer.uid != daemon_uid:
         raise ClientError(
             "forbidden",
-            f"{socket_path} is served by uid {peer.uid} (pid {peer.pid}), not by us "
-            f"(uid {os.geteuid()}); refusing to talk to it",
+            f"{socket_path} is served by uid {peer.uid} (pid {peer.pid}), not by uid "
+            f"{daemon_uid}; refusing to talk to it (set {DAEMON_UID_ENV} to trust it)",
         )
 
 
@@ -314,8 +334,11 @@ class AsyncClient:
         socket_path: the daemon's socket; default as for :class:`Client`.
     """
 
-    def __init__(self, socket_path: str | Path | None = None) -> None:
+    def __init__(
+        self, socket_path: str | Path | None = None, daemon_uid: int | None = None
+    ) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.daemon_uid = expected_daemon_uid(daemon_uid)
 
     async def connect(self) -> AsyncChannel[ServerMessage]:
         """Open a connection and shake hands (raises like :meth:`Client.connect`)."""
@@ -326,7 +349,8 @@ class AsyncClient:
                 "unreachable", f"no daemon at {self.socket_path} ({exc.strerror or exc})"
             ) from exc
         try:
-            check_daemon_credentials(stream.extra(SocketAttribute.raw_socket), self.socket_path)
+            raw = stream.extra(SocketAttribute.raw_socket)
+            check_daemon_credentials(raw, self.socket_path, self.daemon_uid)
         except ClientError:
             await stream.aclose()
             raise

@@ -53,6 +53,7 @@ log = structlog.get_logger("supervisor.control")
 
 T = TypeVar("T")
 MAX_ERROR_MESSAGE_CHARS = 1000
+CONTROL_RESERVE = 8  # connections past max_connections kept for status, unload, shutdown
 
 
 class DaemonAlreadyRunning(Exception):
@@ -215,22 +216,24 @@ class ControlServer:
         try:
             refusal = self._refusal(stream)
             if refusal is not None:
-                code, message = refusal
-                # Our Hello first, so the client reads the refusal as an error frame.
-                await conn.send(Hello(PROTOCOL_VERSION, os.getpid(), "supervisor", __version__))
-                await conn.send_error(code, message)
+                await self._refuse(conn, *refusal)
                 return
-            with anyio.fail_after(self.config.client_idle_timeout_s):
-                await channel.handshake("supervisor", "client", __version__)
-                request = await channel.recv()
+            try:
+                with anyio.fail_after(self.config.client_idle_timeout_s):
+                    await channel.handshake("supervisor", "client", __version__)
+                    request = await channel.recv()
+            except TimeoutError:
+                log.info("client_idle_timeout", timeout_s=self.config.client_idle_timeout_s)
+                return
+            if self._over_limit(request):
+                await conn.send_error("busy", self._busy_message())
+                return
             await self.dispatch(conn, request)
         except RequestError as exc:
             await conn.send_error(exc.code, exc.message)
         except ProtocolError as exc:
             log.warning("client_protocol_error", error=str(exc))
             await conn.send_error("protocol", str(exc))
-        except TimeoutError:
-            log.info("client_idle_timeout", timeout_s=self.config.client_idle_timeout_s)
         except (ChannelClosed, anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
         except Exception as exc:  # a fault boundary: the daemon outlives any one request
@@ -249,11 +252,26 @@ class ControlServer:
             log.warning("client_refused", reason="uid not allowed",
                         peer_uid=peer.uid, peer_pid=peer.pid)  # fmt: skip
             return "forbidden", f"uid {peer.uid} may not use this daemon (allowed_uids)"
-        if self.connections > self.config.max_connections:
+        if self.connections > self.config.max_connections + CONTROL_RESERVE:
             log.warning("client_refused", reason="too many connections",
                         connections=self.connections, peer_pid=peer.pid)  # fmt: skip
-            return "busy", f"the daemon has {self.config.max_connections} connections already"
+            return "busy", self._busy_message()
         return None
+
+    def _over_limit(self, request: ClientMessage) -> bool:
+        """Past ``max_connections``, only status, unload and shutdown are served:
+        an operator can always look and stop things during a flood."""
+        if self.connections <= self.config.max_connections:
+            return False
+        return not isinstance(request, StatusRequest | UnloadRequest | ShutdownRequest)
+
+    def _busy_message(self) -> str:
+        return f"the daemon has {self.config.max_connections} connections already (max_connections)"
+
+    async def _refuse(self, conn: Connection, code: ErrorCode, message: str) -> None:
+        # Our Hello first, so the client reads the refusal as an error frame.
+        await conn.send(Hello(PROTOCOL_VERSION, os.getpid(), "supervisor", __version__))
+        await conn.send_error(code, message)
 
     async def dispatch(self, conn: Connection, request: ClientMessage) -> None:
         """Answer one request on ``conn``."""

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import resource
 import signal
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
+from anyio.abc import SocketListener, SocketStream, TaskStatus
 
 from supervisor import __version__
 from supervisor.config import ModelConfig, SupervisorConfig
@@ -61,8 +66,10 @@ class Daemon:
         return self._stopped_runners
 
     async def _shutdown_then_exit(self) -> None:
-        await self.shutdown()
-        self._exit.set()
+        try:
+            await self.shutdown()
+        finally:  # whatever happened, a signal to stop stops us
+            self._exit.set()
 
     async def run(self) -> None:
         """Serve until SIGTERM, SIGINT or a shutdown request; then clean up.
@@ -77,9 +84,6 @@ class Daemon:
         if killed:
             log.warning("predecessor_runners_killed", pids=killed, predecessor=previous.daemon_pid)
         self._desired_models = list(previous.models)
-        log.info(
-            "daemon_started", pid=os.getpid(), version=__version__, socket=str(self.socket_path)
-        )
         try:
             async with anyio.create_task_group() as tg:
                 self.registry = Registry(self.config, tg, on_change=self._save_state)
@@ -89,8 +93,10 @@ class Daemon:
                 server = ControlServer(
                     self.registry, self.config, self.socket_path, self.shutdown, self._exit.set
                 )
-                tg.start_soon(self._watch_signals)
-                tg.start_soon(listener.serve, server.handle_connection)
+                await tg.start(self._watch_signals)  # before we say we serve
+                tg.start_soon(serve_connections, listener, server.handle_connection)
+                log.info("daemon_started", pid=os.getpid(), version=__version__,
+                         socket=str(self.socket_path))  # fmt: skip
                 await self._exit.wait()
                 tg.cancel_scope.cancel()
         finally:
@@ -145,8 +151,9 @@ class Daemon:
         except Exception as exc:  # a full disk must not take the daemon down
             log.error("state_save_failed", path=str(self.state_file.path), error=repr(exc))
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(self, *, task_status: TaskStatus[None]) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            task_status.started()
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     log.info("sighup_ignored")  # a closed terminal must not stop the models
@@ -157,6 +164,46 @@ class Daemon:
                 self.registry.task_group.start_soon(self._shutdown_then_exit)  # type: ignore[union-attr]
 
 
+ACCEPT_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
+ACCEPT_RETRY_S = 0.1  # no event says an fd was freed: retry after a pause, as servers do
+
+
+async def serve_connections(
+    listener: SocketListener, handler: Callable[[SocketStream], Coroutine[Any, Any, None]]
+) -> None:
+    """Accept connections forever, each served by ``handler`` in its own task.
+
+    Unlike ``listener.serve``, running out of fds (EMFILE, ENFILE) or a
+    connection aborted before it was accepted ends nothing: it is logged and
+    accepting goes on once connections close.
+    """
+    async with anyio.create_task_group() as tg:
+        while True:
+            try:
+                stream = await listener.accept()
+            except (OSError, anyio.BrokenResourceError) as exc:
+                cause = exc if isinstance(exc, OSError) else exc.__cause__  # anyio wraps it
+                if not isinstance(cause, OSError) or cause.errno not in ACCEPT_ERRORS:
+                    raise
+                log.error("accept_failed", error=str(cause), retry_in_s=ACCEPT_RETRY_S)
+                await anyio.sleep(ACCEPT_RETRY_S)
+                continue
+            tg.start_soon(handler, stream)
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft limit on open files to the hard one (launchd's default
+    soft limit is 256): every runner costs the daemon a few fds."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if wanted > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("fd_limit_unchanged", error=str(exc))
+
+
 def run_daemon(config: SupervisorConfig, socket_path: Path) -> None:
     """Run a daemon in this process until it is told to stop."""
+    raise_fd_limit()
     anyio.run(Daemon(config, socket_path).run)

@@ -4,8 +4,33 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO, cast
 
 import structlog
+
+
+class NeverFailingWriter:
+    """A log stream that swallows write errors: a closed terminal (EIO) or a
+    vanished reader of stderr (EPIPE) must never take the daemon down. After
+    the first failure, log lines go nowhere."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream: TextIO | None = stream
+
+    def write(self, text: str) -> int:
+        if self._stream is not None:
+            try:
+                self._stream.write(text)
+            except (OSError, ValueError):
+                self._stream = None
+        return len(text)
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._stream = None
 
 
 def configure_logging(level: int = logging.INFO, json: bool | None = None) -> None:
@@ -30,6 +55,8 @@ def configure_logging(level: int = logging.INFO, json: bool | None = None) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(
+            file=cast(TextIO, NeverFailingWriter(sys.stderr))
+        ),
         cache_logger_on_first_use=False,
     )

@@ -19,6 +19,7 @@ from pathlib import PurePath
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
@@ -81,9 +82,11 @@ class RequestError(Exception):
 
 
 async def wait_unless(cancel: anyio.Event, wait: Callable[[], Awaitable[None]]) -> None:
-    """Await ``wait()``, giving up (returning) as soon as ``cancel`` is set."""
+    """Await ``wait()``, giving up (returning) as soon as ``cancel`` is set.
+    An exception from ``wait()`` is raised as it is (not in a group)."""
     if cancel.is_set():
         return
+    failure: Exception | None = None
     async with anyio.create_task_group() as tg:
 
         async def watch() -> None:
@@ -91,8 +94,14 @@ async def wait_unless(cancel: anyio.Event, wait: Callable[[], Awaitable[None]]) 
             tg.cancel_scope.cancel()
 
         tg.start_soon(watch)
-        await wait()
-        tg.cancel_scope.cancel()
+        try:
+            await wait()
+        except Exception as exc:
+            failure = exc
+        finally:
+            tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 def derive_name(model: str) -> str:
@@ -272,6 +281,7 @@ class Registry:
                 try:
                     await handle.start(runner_tasks)
                 except RunnerStartError as exc:
+                    started = True  # reported: whatever happens next, never again
                     task_status.started(exc)
                     return
                 self.live_handles.add(handle)
@@ -303,15 +313,24 @@ class Registry:
     # --- load ----------------------------------------------------------------
 
     def spec_for(self, request: LoadRequest) -> ModelConfig:
-        """Merge a load request with the config's settings for that name."""
+        """Merge a load request with the config's settings for that name.
+
+        Raises:
+            RequestError: a value out of the config's ranges (bad_request); the
+                spec is checked as a config file's would be, so that nothing a
+                request stores can make the state file unreadable.
+        """
         name = request.name or derive_name(request.model)
         configured = self.config.model_config(name)
         env = {**(configured.env if configured else {}), **request.env}
         max_tokens = request.max_tokens or (configured.max_tokens if configured else None)
         restart = request.restart or (configured.restart if configured else None)
-        return ModelConfig(
-            name=name, model=request.model, max_tokens=max_tokens, env=env, restart=restart
-        )
+        fields = {"name": name, "model": request.model, "max_tokens": max_tokens,
+                  "env": env, "restart": restart}  # fmt: skip
+        try:
+            return msgspec.convert(fields, ModelConfig)
+        except msgspec.ValidationError as exc:
+            raise RequestError("bad_request", f"bad load request: {exc}") from None
 
     async def load(self, spec: ModelConfig, on_progress: ProgressListener | None = None) -> Loaded:
         """Start supervising ``spec`` and wait until its model is ready.
@@ -579,21 +598,33 @@ class Registry:
                 entry.request_lock.release()
             entry.leave_queue(waiter)
             if cancel.is_set():  # the client cancelled or left while in line
-                with contextlib.suppress(ChannelClosed, anyio.BrokenResourceError, OSError):
-                    await emit(GenerationDone(0, 0, 0, 0.0, 0.0, 0.0, 0, "cancelled"))
+                await self._end_cancelled_in_line(emit)
                 return
             raise RequestError("not_ready", self._timeout_message(entry))
         try:
+            ready: list[RunnerHandle] = []
+
+            async def wait_ready() -> None:
+                ready.append(await entry.wait_ready())
+
             try:
-                with anyio.move_on_at(deadline) as waiting:
-                    handle = await entry.wait_ready()
+                with anyio.move_on_at(deadline):
+                    await wait_unless(cancel, wait_ready)
             finally:
                 entry.leave_queue(waiter)
-            if waiting.cancelled_caught:
+            if not ready:
+                if cancel.is_set():  # the client cancelled or left while the model loads
+                    await self._end_cancelled_in_line(emit)
+                    return
                 raise RequestError("not_ready", self._timeout_message(entry))
+            handle = ready[0]
             await self._run_request(entry, handle, request, emit, cancel, streamed)
         finally:
             entry.request_lock.release()
+
+    async def _end_cancelled_in_line(self, emit: Emit) -> None:
+        with contextlib.suppress(ChannelClosed):
+            await emit(GenerationDone(0, 0, 0, 0.0, 0.0, 0.0, 0, "cancelled"))
 
     def _timeout_message(self, entry: ModelEntry) -> str:
         return (

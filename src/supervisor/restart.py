@@ -79,10 +79,11 @@ class RestartTracker:
                 f"{self.intensity.window_s:g}s (last: {exit.cause})",
                 budget_spent=True,
             )
+        doubling = 2 ** min(count - 1, 30)  # capped: a float overflows past 2**1024
         delay = (
             0.0
             if count == 0
-            else min(self.intensity.backoff_cap_s, self.intensity.backoff_s * 2 ** (count - 1))
+            else min(self.intensity.backoff_cap_s, self.intensity.backoff_s * doubling)
         )
         self._recent.append(now)
         return RestartDecision(delay, f"restart {count + 1} in {delay:g}s after: {exit.cause}")

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -143,6 +144,8 @@ class RunnerHandle:
         self.progress = 0
         self.last_progress_at = time.monotonic()
         self.last_alive_at = time.monotonic()  # any frame from the runner, pongs included
+        self.ping_unanswered_since: float | None = None  # the oldest ping with no frame after it
+        self._event_fd: int | None = None
         self._phase_changed = anyio.Event()
         self._ping_seq = 0
         self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
@@ -169,7 +172,12 @@ class RunnerHandle:
                 handshake (it is then killed and reaped).
         """
         command_r, command_w = os.pipe()
-        event_r, event_w = os.pipe()
+        try:
+            event_r, event_w = os.pipe()
+        except OSError as exc:
+            os.close(command_r)
+            os.close(command_w)
+            raise RunnerStartError(f"cannot start runner: {exc}") from exc
         env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}
         argv = [
             sys.executable, "-m", "runner",
@@ -189,14 +197,14 @@ class RunnerHandle:
                 # process group never reaches runners; the daemon decides.
                 start_new_session=True,
             )
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        except BaseException as exc:  # cancelled too: no fd may outlive a failed start
             for fd in (command_r, command_w, event_r, event_w):
                 os.close(fd)
-            raise RunnerStartError(f"cannot start runner: {exc}") from exc
-        finally:
-            if self.process is not None:
-                os.close(command_r)
-                os.close(event_w)
+            if isinstance(exc, OSError | ValueError | subprocess.SubprocessError):
+                raise RunnerStartError(f"cannot start runner: {exc}") from exc
+            raise
+        os.close(command_r)  # the child's ends
+        os.close(event_w)
         self.started_at = time.time()
         self.create_time = process_create_time(self.process.pid)
         self.log = self.log.bind(runner_pid=self.process.pid)
@@ -204,6 +212,7 @@ class RunnerHandle:
         self.channel = AsyncChannel(
             FdStream(event_r, command_w), Codec(RunnerEvent, self.config.max_frame_bytes)
         )
+        self._event_fd = event_r
         assert self.process.stdout is not None and self.process.stderr is not None
         self._start_guarded(task_group, self._relay_output, self.process.stderr, "stderr")
         self._start_guarded(task_group, self._relay_output, self.process.stdout, "stdout")
@@ -308,6 +317,7 @@ class RunnerHandle:
                     self.signal(signal.SIGKILL)
                     break
                 self.last_alive_at = time.monotonic()
+                self.ping_unanswered_since = None
                 self._track_progress(event)
                 if isinstance(event, ExitAudit):
                     self.audit = event
@@ -426,6 +436,9 @@ class RunnerHandle:
                 continue
             if self.stop_requested:
                 return
+            if self._events_pending():  # progress may be waiting in the pipe: read it first
+                await anyio.sleep(0)
+                continue
             await self.kill_stalled(f"stalled in {self.phase}: no progress for {timeout:g}s")
             return
 
@@ -437,18 +450,34 @@ class RunnerHandle:
         is doing; pings go out from a separate task, since a frozen runner's
         full pipe would block a send.
         """
+        timeout = self.config.ping_timeout_s
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._send_pings)
             while not self.exited.is_set() and not self.stop_requested:
-                silent_s = time.monotonic() - self.last_alive_at
-                if silent_s > self.config.ping_timeout_s:
+                since = self.ping_unanswered_since
+                waited_s = time.monotonic() - since if since is not None else 0.0
+                if waited_s > timeout:
+                    if self._events_pending():  # it did answer; our loop was busy or paused
+                        await anyio.sleep(0)
+                        continue
                     await self.kill_stalled(
-                        f"frozen in {self.phase}: no answer to pings for {silent_s:.1f}s"
+                        f"frozen in {self.phase}: no answer to pings for {waited_s:.1f}s"
                     )
                     break
-                with anyio.move_on_after(self.config.ping_timeout_s - silent_s + 0.01):
+                interval_s = self.config.ping_interval_s
+                next_check_s = timeout - waited_s if since is not None else interval_s
+                with anyio.move_on_after(next_check_s + 0.01):
                     await self.exited.wait()
             tg.cancel_scope.cancel()
+
+    def _events_pending(self) -> bool:
+        """Whether the runner has written frames we have not read yet."""
+        if self._event_fd is None:
+            return False
+        try:
+            return bool(select.select([self._event_fd], [], [], 0)[0])
+        except (OSError, ValueError):  # closed: nothing more will come
+            return False
 
     async def _send_pings(self) -> None:
         assert self.channel is not None
@@ -457,6 +486,8 @@ class RunnerHandle:
                 await self.exited.wait()
             if self.exited.is_set() or self.stop_requested:
                 return
+            if self.ping_unanswered_since is None:
+                self.ping_unanswered_since = time.monotonic()
             self._ping_seq += 1
             try:
                 with anyio.CancelScope(shield=True):  # never cut a frame in half

@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Names that change what code a runner executes (its loader or interpreter).
-FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
+# Names that change what code a runner executes: its loader, its interpreter,
+# libraries it dlopens (OpenSSL providers, iconv modules), or where Python finds
+# user site-packages and config.
+FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON", "OPENSSL_", "XDG_")
+FORBIDDEN_ENV_NAMES = {"GCONV_PATH", "HOME", "PATH", "NLSPATH", "LOCPATH", "SSL_CERT_FILE",
+                       "SSL_CERT_DIR", "BASH_ENV", "ENV"}  # fmt: skip
 MODEL_NAME_MAX = 64
-MODEL_REFERENCE_MAX = 4096  # a path or repo id; it is shown in every status reply
 
 
 class Credentials(NamedTuple):
@@ -45,8 +48,8 @@ def peer_credentials(sock: socket.socket) -> Credentials:
         OSError: the OS cannot tell (an unsupported platform included).
     """
     if sys.platform.startswith("linux"):
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _gid = struct.unpack("3i", raw)
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+        pid, uid, _gid = struct.unpack("iII", raw)
         return Credentials(pid, uid)
     if sys.platform == "darwin":
         sol_local, local_peercred, local_peerpid = 0, 0x001, 0x002
@@ -91,7 +94,7 @@ def env_problem(env: dict[str, str]) -> str | None:
     for name, value in env.items():
         if not ENV_NAME.fullmatch(name):
             return f"environment variable name {name!r} is not [A-Za-z_][A-Za-z0-9_]*"
-        if name.upper().startswith(FORBIDDEN_ENV_PREFIXES):
+        if name.upper().startswith(FORBIDDEN_ENV_PREFIXES) or name.upper() in FORBIDDEN_ENV_NAMES:
             return f"environment variable {name} would change what code the runner runs"
         if "\x00" in value:
             return f"environment variable {name} holds a NUL byte"
@@ -110,11 +113,8 @@ def model_name_problem(name: str) -> str | None:
 
 
 def model_reference_problem(model: str) -> str | None:
-    """Why ``model`` (a repo id, local path or ``builtin:`` name) is refused, or None."""
-    if not model:
-        return "a model reference must not be empty"
-    if len(model) > MODEL_REFERENCE_MAX:
-        return f"a model reference has at most {MODEL_REFERENCE_MAX} characters, got {len(model)}"
+    """Why ``model`` (a repo id, local path or ``builtin:`` name) is refused, or
+    None. (Its length is bounded by ModelConfig, since it shows in every status.)"""
     if not model.isprintable():
         return "a model reference must be printable (no control characters)"
     return None

@@ -108,7 +108,7 @@ class HotSpare:
             self.failures += 1
             delay = min(
                 self.config.restart_backoff_cap_s,
-                self.config.restart_backoff_s * 2 ** (self.failures - 1),
+                self.config.restart_backoff_s * 2 ** min(self.failures - 1, 30),
             )
             log.error("spare_failed", cause=self.failure, failures=self.failures,
                       retry_in_s=delay)  # fmt: skip

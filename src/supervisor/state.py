@@ -1,7 +1,7 @@
 """What a daemon must remember across its own death: its runners and its models.
 
 One JSON file per socket path in the XDG state dir, rewritten atomically
-(temp file, fsync, rename) on every change. On start, a daemon kills the
+(temp file, rename) on every change. On start, a daemon kills the
 runners a dead predecessor left behind (matching pid *and* start time, so a
 reused pid is never hit) and loads the predecessor's models again.
 """
@@ -13,6 +13,7 @@ import hashlib
 import os
 import signal
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import psutil
@@ -22,6 +23,8 @@ from supervisor.config import ModelConfig
 from supervisor.paths import state_dir
 
 log = structlog.get_logger("supervisor.state")
+
+T = TypeVar("T")
 
 _CREATE_TIME_SLACK_S = 0.05  # psutil start times are rounded to clock ticks
 
@@ -37,6 +40,16 @@ class DaemonState(msgspec.Struct):
     socket: str = ""
     runners: list[RunnerRecord] = []
     models: list[ModelConfig] = []
+
+
+class _LooseState(msgspec.Struct):
+    """The file as read: each entry checked on its own, so one bad entry
+    (from an older version, or edited by hand) costs only itself."""
+
+    daemon_pid: int = 0
+    socket: str = ""
+    runners: list[msgspec.Raw] = []
+    models: list[msgspec.Raw] = []
 
 
 def state_path(socket_path: Path) -> Path:
@@ -61,12 +74,27 @@ class StateFile:
     def load(self) -> DaemonState:
         """The saved state; an empty one if there is none or it is unreadable."""
         try:
-            return msgspec.json.decode(self.path.read_bytes(), type=DaemonState)
+            loose = msgspec.json.decode(self.path.read_bytes(), type=_LooseState)
         except FileNotFoundError:
             return DaemonState()
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("state_file_unreadable", path=str(self.path), error=str(exc))
             return DaemonState()
+        return DaemonState(
+            loose.daemon_pid,
+            loose.socket,
+            self._entries(loose.runners, RunnerRecord),
+            self._entries(loose.models, ModelConfig),
+        )
+
+    def _entries(self, raws: list[msgspec.Raw], kind: type[T]) -> list[T]:
+        entries: list[T] = []
+        for raw in raws:
+            try:
+                entries.append(msgspec.json.decode(raw, type=kind))
+            except msgspec.DecodeError as exc:
+                log.warning("state_entry_skipped", path=str(self.path), error=str(exc))
+        return entries
 
     def save(self, state: DaemonState) -> None:
         """Write ``state`` so that a crash leaves either the old or the new file.
@@ -74,12 +102,14 @@ class StateFile:
         It holds runner environments: the file is 0600 in a 0700 directory.
         """
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o700)  # one made by an older version may be 0755
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with open(fd, "wb") as f:
             f.write(msgspec.json.encode(state))
-            f.flush()
-            os.fsync(f.fileno())
+        # No fsync: the file must survive the daemon's death, which the page
+        # cache guarantees; an fsync on the event loop can stall every client
+        # for seconds while the disk is busy (seen under the fuzzer).
         os.replace(tmp, self.path)
 
 
