@@ -609,7 +609,12 @@ class Registry:
 
             try:
                 with anyio.move_on_at(deadline):
-                    await wait_unless(cancel, wait_ready)
+                    while True:
+                        ready.clear()
+                        await wait_unless(cancel, wait_ready)
+                        # Leaving wait_unless yields: an unload may have come in between.
+                        if not ready or (entry.state == "ready" and entry.handle is ready[0]):
+                            break
             finally:
                 entry.leave_queue(waiter)
             if not ready:
