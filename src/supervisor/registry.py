@@ -50,6 +50,7 @@ from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
 from supervisor.spare import HotSpare
 from supervisor.system import process_rss
+from supervisor.waiting import wait_unless
 
 log = structlog.get_logger("supervisor.registry")
 
@@ -79,29 +80,6 @@ class RequestError(Exception):
         super().__init__(message)
         self.code: ErrorCode = code
         self.message = message
-
-
-async def wait_unless(cancel: anyio.Event, wait: Callable[[], Awaitable[None]]) -> None:
-    """Await ``wait()``, giving up (returning) as soon as ``cancel`` is set.
-    An exception from ``wait()`` is raised as it is (not in a group)."""
-    if cancel.is_set():
-        return
-    failure: Exception | None = None
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            await cancel.wait()
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
-        try:
-            await wait()
-        except Exception as exc:
-            failure = exc
-        finally:
-            tg.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
 
 
 def derive_name(model: str) -> str:
@@ -696,7 +674,7 @@ class Registry:
                 if not client_gone:
                     try:
                         await emit(event)
-                    except (ChannelClosed, anyio.BrokenResourceError, OSError, TimeoutError):
+                    except (ChannelClosed, anyio.BrokenResourceError, OSError):
                         client_gone = True
                         cancel.set()
                         entry.log.info("client_gone", request_id=request_id)

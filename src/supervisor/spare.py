@@ -18,6 +18,7 @@ from ipc.messages import FAULTS_ENV, SpareInfo
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.runner_handle import RunnerHandle, RunnerStartError
 from supervisor.system import process_rss
+from supervisor.waiting import first_of
 
 log = structlog.get_logger("supervisor.spare")
 
@@ -26,18 +27,6 @@ FAILED_AFTER = 3  # spares failing in a row before status calls the spare failed
 
 Spawner = Callable[[RunnerHandle], Awaitable[None]]
 """Starts a handle's process in a task that owns it until it is reaped."""
-
-
-async def first_of(*events: anyio.Event) -> None:
-    """Return as soon as any of ``events`` is set."""
-    async with anyio.create_task_group() as tg:
-
-        async def wait(event: anyio.Event) -> None:
-            await event.wait()
-            tg.cancel_scope.cancel()
-
-        for event in events:
-            tg.start_soon(wait, event)
 
 
 def spare_fits(spec: ModelConfig) -> bool:
