@@ -665,8 +665,8 @@ def test_blocking_channels_shake_hands_across_two_pipes_in_two_threads() -> None
         # after the handshake the channels carry their unions, both ways
         supervisor.send(m.Ping(seq=11))
         assert runner.recv() == m.Ping(seq=11)
-        runner.send(m.Pong(seq=11, active_bytes=123))
-        assert supervisor.recv() == m.Pong(seq=11, active_bytes=123)
+        runner.send(m.Pong(seq=11, memory=m.MemoryFigures(123, 4, 5)))
+        assert supervisor.recv() == m.Pong(seq=11, memory=m.MemoryFigures(123, 4, 5))
 
 
 @FAST
@@ -787,7 +787,7 @@ def test_blocking_send_to_a_departed_peer_raises_broken_pipe() -> None:
     with _reader_from_raw(m.RunnerCommand) as (channel, _, peer_r):
         os.close(peer_r)
         with pytest.raises(BrokenPipeError):
-            channel.send(m.Pong(seq=1, active_bytes=0))
+            channel.send(m.Pong(seq=1))
 
 
 def test_blocking_close_closes_both_fds_and_is_idempotent() -> None:
@@ -1030,7 +1030,7 @@ async def test_async_peer_closing_mid_frame_is_a_protocol_error(
 async def test_async_recv_over_pipes_closed_mid_frame_is_a_protocol_error(
     truncate: Callable[[bytes], bytes],
 ) -> None:
-    frame = Codec(m.RunnerEvent).frame(m.Pong(seq=1, active_bytes=2))
+    frame = Codec(m.RunnerEvent).frame(m.Pong(seq=1, memory=m.MemoryFigures(active_bytes=2)))
     r, w = os.pipe()
     sink_r, sink_w = os.pipe()
     channel = AsyncChannel(FdStream(r, sink_w), Codec(m.RunnerEvent))
@@ -1038,7 +1038,7 @@ async def test_async_recv_over_pipes_closed_mid_frame_is_a_protocol_error(
         _write_all(w, frame + truncate(frame))
         os.close(w)
         with anyio.fail_after(10):
-            assert await channel.recv() == m.Pong(seq=1, active_bytes=2)
+            assert await channel.recv() == m.Pong(seq=1, memory=m.MemoryFigures(active_bytes=2))
             with pytest.raises(ProtocolError, match="stream ended inside a frame"):
                 await channel.recv()
     finally:

@@ -19,16 +19,30 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "memory_pressure"]
 RunnerState = Literal[
     "starting", "loading", "ready", "busy", "stopping", "crashed", "restarting", "failed"
 ]
 RestartStrategy = Literal["always", "on-failure", "never"]
 """OTP restart strategies: when a runner that died on its own is started again."""
+CauseClass = Literal[
+    "metal_oom",  # "Insufficient Memory" from a Metal command buffer
+    "gpu_timeout",  # kIOGPUCommandBufferCallbackErrorTimeout
+    "cuda_oom",
+    "peer_lost",  # a rank of a distributed group lost its peer
+    "memory_guard",  # the runner's own guard stopped a load
+    "segfault",
+    "oom_killed",  # SIGKILL while the system was under memory pressure
+    "requested",  # unload, expiry, eviction, shutdown
+    "unknown",
+]
+"""What kind of death a runner's exit was; memory classes go through
+admission before any restart."""
+MEMORY_CAUSES: frozenset[str] = frozenset({"metal_oom", "cuda_oom", "memory_guard", "oom_killed"})
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -59,6 +73,14 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
 
 
+class MemoryFigures(msgspec.Struct, frozen=True):
+    """A runner's MLX memory: active, cache and peak bytes (0 before mlx)."""
+
+    active_bytes: int = 0
+    cache_bytes: int = 0
+    peak_bytes: int = 0
+
+
 class LoadProgress(msgspec.Struct, tag="load_progress"):
     """Runner -> supervisor -> client while a model loads.
 
@@ -71,6 +93,7 @@ class LoadProgress(msgspec.Struct, tag="load_progress"):
     done: int
     total: int
     active_bytes: int
+    remaining_bytes: int | None = None  # memory the machine has left (the load guard's view)
 
 
 class TextChunk(msgspec.Struct, tag="chunk"):
@@ -92,6 +115,8 @@ class GenerationDone(msgspec.Struct, tag="done"):
     ttft_s: float
     peak_memory_bytes: int
     finish_reason: FinishReason
+    max_tokens_clamped_to: int | None = None  # the request asked for more than the model's cap
+    detail: str | None = None  # why it ended early (memory_pressure: the numbers)
 
 
 # --- client -> supervisor ----------------------------------------------------
@@ -109,6 +134,9 @@ class LoadRequest(msgspec.Struct, tag="load"):
     max_tokens: int | None = None
     env: dict[str, str] = {}
     restart: RestartStrategy | None = None
+    keep_alive_s: float | None = None  # unload after this long idle (0: never)
+    pinned: bool | None = None  # never evicted nor expired
+    context_tokens: int | None = None  # the context the memory estimate plans for
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -157,6 +185,8 @@ class ExitInfo(msgspec.Struct):
     cause: str
     signal_description: str | None = None
     stderr_tail: list[str] = []
+    cause_class: CauseClass = "unknown"
+    audit: ExitAudit | None = None  # the runner's exit audit, when it wrote one
 
 
 class Loaded(msgspec.Struct, tag="loaded"):
@@ -187,8 +217,14 @@ class SupervisorInfo(msgspec.Struct):
 
 
 class SystemInfo(msgspec.Struct):
+    """The machine's memory as the daemon sees it (``override_mb`` applied)."""
+
     memory_total_bytes: int
     memory_available_bytes: int
+    pressure_pct: float = 0.0  # share of memory in use
+    threshold_pct: float = 0.0  # pressure at which admission stops and guards warn
+    override_mb: int | None = None  # OVERRIDE_MEMORY_MB / memory_override_mb
+    runners_bytes: int = 0  # what our runners (and the spare) hold
 
 
 class RunnerInfo(msgspec.Struct):
@@ -204,6 +240,14 @@ class RunnerInfo(msgspec.Struct):
     queue_depth: int = 0  # requests waiting for their turn (not the one being served)
     next_restart_at: float | None = None  # wall-clock time of the next attempt
     failure: str | None = None  # why it is failed (restart budget spent, ...)
+    mlx_active_bytes: int | None = None
+    mlx_cache_bytes: int | None = None
+    mlx_peak_bytes: int | None = None
+    memory_budget_bytes: int | None = None  # what admission granted it
+    estimate_bytes: int | None = None  # the estimator's figure for it
+    pinned: bool = False
+    keep_alive_s: float = 0.0  # 0: kept loaded until unloaded
+    last_used_at: float | None = None  # wall-clock end of its last request (or load)
 
 
 class SpareInfo(msgspec.Struct):
@@ -249,6 +293,7 @@ ErrorCode = Literal[
     "runner_died",
     "not_ready",  # restarting, stopping or timed out waiting for the model
     "busy",  # the model's queue or the daemon's connections are full
+    "insufficient_memory",  # admission refused: the message gives needed and available
     "generation_failed",
     "shutting_down",
     "protocol",  # a malformed frame or handshake
@@ -282,6 +327,24 @@ FAULTS_ENV = "MLX_SUPERVISOR_FAULTS"
 """Environment variable with a runner's fault-injection settings (test tooling)."""
 
 
+class MemoryPlan(msgspec.Struct, frozen=True):
+    """What the supervisor tells a runner about memory, with its LoadModel.
+
+    ``total_bytes`` is the machine as the daemon sees it (an override
+    applied); under an override the runner counts ``others_bytes`` (what
+    the daemon's other runners hold) as used. ``budget_bytes`` is this
+    runner's share; the guards keep ``guard_bytes`` free on the machine.
+    """
+
+    total_bytes: int
+    override: bool = False
+    others_bytes: int = 0
+    budget_bytes: int | None = None
+    guard_bytes: int = 0  # 0: the guards are off
+    threshold_pct: float = 100.0  # pressure at which the generation guard warns
+    wired_limit_bytes: int | None = None  # Metal only: this runner's wired limit
+
+
 class LoadModel(msgspec.Struct, tag="load_model"):
     """Load ``model``. ``faults`` adds fault injection (see runner.faults) to a
     runner that was started without it, such as the hot spare."""
@@ -290,6 +353,7 @@ class LoadModel(msgspec.Struct, tag="load_model"):
     model: str
     max_tokens_cap: int | None = None
     faults: str = ""
+    memory: MemoryPlan | None = None
 
 
 class Generate(msgspec.Struct, tag="generate"):
@@ -323,11 +387,12 @@ class Started(msgspec.Struct, tag="started"):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
-    """Progress from the runner's working loop (``phase`` is ``prefill``);
-    load progress and text chunks count as heartbeats too."""
+    """Progress from the runner's working loop (``phase`` is ``prefill`` or
+    ``decode``); load progress and text chunks count as heartbeats too."""
 
     phase: str
     progress: int
+    memory: MemoryFigures | None = None
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -350,8 +415,11 @@ class GenerationFailed(msgspec.Struct, tag="generation_failed"):
 
 
 class Pong(msgspec.Struct, tag="pong"):
+    """Answer to a Ping, from the runner's reader thread; ``memory`` holds the
+    figures its main thread measured last."""
+
     seq: int
-    active_bytes: int
+    memory: MemoryFigures = MemoryFigures()
 
 
 class ExitAudit(msgspec.Struct, tag="exit_audit"):
@@ -360,6 +428,10 @@ class ExitAudit(msgspec.Struct, tag="exit_audit"):
     cause: str
     active_bytes: int
     peak_bytes: int
+    cache_bytes: int = 0
+    tokens_served: int = 0  # generated tokens over the runner's life
+    requests_served: int = 0
+    cause_class: CauseClass | None = None  # memory_guard when its guard stopped a load
 
 
 RunnerEvent = (

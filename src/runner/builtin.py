@@ -34,7 +34,9 @@ from typing import Any
 __all__ = [
     "BUILTIN_NAMES",
     "BUILTIN_PREFIX",
+    "built_builtin_model_dir",
     "builtin_cache_dir",
+    "builtin_config_and_weight_bytes",
     "ensure_builtin_model",
     "is_builtin",
     "param_count",
@@ -197,6 +199,30 @@ def ensure_builtin_model(model: str, cache_dir: Path | None = None) -> Path:
             _discard(target, root, spec)
         _build(spec, root, target)
     return target
+
+
+def built_builtin_model_dir(model: str, cache_dir: Path | None = None) -> Path | None:
+    """The directory of builtin ``model`` if it is already built and complete, else None.
+
+    Never builds anything. Raises ValueError for an unknown builtin name.
+    """
+    spec = _resolve(model)
+    root = Path(cache_dir) if cache_dir is not None else builtin_cache_dir()
+    target = root / spec.dir_name
+    return target if _is_complete(target, spec) else None
+
+
+def builtin_config_and_weight_bytes(model: str) -> tuple[dict[str, Any], int]:
+    """The ``config.json`` contents and total tensor bytes builtin ``model`` will have.
+
+    Computed from the recipe without writing files (the tokenizer is trained in memory, a
+    fraction of a second, for its vocabulary size). Raises ValueError for an unknown name.
+    """
+    spec = _resolve(model)
+    vocab_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
+    bytes_per_param = 2 if spec.dtype == "bfloat16" else 4
+    weight_bytes = param_count(model, vocab_size) * bytes_per_param
+    return _model_config(spec, vocab_size), weight_bytes
 
 
 # --------------------------------------------------------------------------------------------

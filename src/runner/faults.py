@@ -22,6 +22,11 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 - ``exit_at_import``: exit(1) right after the handshake, as a broken mlx
   install would (a hot spare that can never start).
 - ``garbage_at_token=N``: at token N write bytes that are no frame to the pipe.
+- ``hog_at_token=N:MB``: at token N allocate and evaluate an mlx array of MB
+  MiB and hold it until the request ends: a runaway request's memory, which
+  the generation guard must catch.
+- ``hog_at_load=MB``: before the weights, allocate MB MiB and hold it for the
+  runner's life (a load the load guard must stop).
 - ``once=PATH``: fire at most once across runners: a runner finding PATH
   injects nothing; the first fault to fire creates it. Lets a test crash a
   model's first runner but not the one restarted in its place.
@@ -33,6 +38,7 @@ import os
 import random
 import signal
 import time
+from typing import Any
 
 from ipc.messages import FAULTS_ENV
 
@@ -50,6 +56,8 @@ class Faults:
         for item in filter(None, (part.strip() for part in spec.split(","))):
             key, _, arg = item.partition("=")
             self._items[key] = arg
+        self._held: list[Any] = []  # hog_at_load's memory, for the runner's life
+        self._request_held: list[Any] = []  # hog_at_token's, until the request ends
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -93,6 +101,9 @@ class Faults:
         if "hang_at_load" in self:
             self._fire()
             hang(self.arg("hang_at_load"))
+        if "hog_at_load" in self:
+            self._fire()
+            self._held.append(hog(int(self.arg("hog_at_load"))))
 
     def when_idle(self) -> None:
         """Apply the faults meant for an idle runner (called after Ready)."""
@@ -129,6 +140,24 @@ class Faults:
             if random.random() < float(chance):
                 self._fire()
                 hang(how)
+        if "hog_at_token" in self:
+            at, _, mebibytes = self.arg("hog_at_token").partition(":")
+            if n == int(at):
+                self._fire()
+                self._request_held.append(hog(int(mebibytes)))
+
+    def end_request(self) -> None:
+        """Drop what ``hog_at_token`` held for the request that ended."""
+        self._request_held.clear()
+
+
+def hog(mebibytes: int) -> Any:
+    """An evaluated mlx array of ``mebibytes`` MiB, every page written."""
+    import mlx.core as mx  # not at import: faults are parsed before mlx is imported
+
+    array = mx.ones((mebibytes << 20,), dtype=mx.uint8)
+    mx.eval(array)
+    return array
 
 
 def hang(how: str) -> None:

@@ -1,4 +1,4 @@
-"""Model loading through mlx-lm, with progress per transformer layer."""
+"""Model loading through mlx-lm, with progress and the memory guard per transformer layer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 
 from runner.builtin import ensure_builtin_model, is_builtin
+from runner.guard import MemoryGuard
 
 # What mlx-lm fetches for a model from the Hugging Face Hub, less its ``*.py``:
 # weights, config and tokenizer files only; remote code never runs here.
@@ -71,11 +72,18 @@ def parameter_bytes(model: Any) -> int:
     return sum(int(array.nbytes) for _, array in leaves)
 
 
-def load_model(model: str, progress: ProgressCallback) -> LoadedModel:
+def load_model(
+    model: str, progress: ProgressCallback, guard: MemoryGuard | None = None
+) -> LoadedModel:
     """Load ``model`` lazily with mlx-lm, then evaluate it layer by layer.
 
     Evaluating one layer at a time gives load progress a person can watch and
-    tells which layer a load died in.
+    tells which layer a load died in. After each layer ``guard`` measures
+    (its ``last_view`` is fresh when ``progress`` is called for the layer)
+    and then judges.
+
+    Raises:
+        MemoryGuardError: ``guard`` found memory short after a layer.
     """
     started = time.perf_counter()
     progress("resolve", 0, 1)
@@ -84,11 +92,18 @@ def load_model(model: str, progress: ProgressCallback) -> LoadedModel:
     loaded_model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(path), lazy=True))
     layers = list(getattr(loaded_model, "layers", []))
     total = len(layers) + 1
+
+    def layer_done(index: int) -> None:
+        view = guard.refresh() if guard is not None else None
+        progress("weights", index, total)
+        if guard is not None:
+            guard.check_load(index, total, view)
+
     for index, layer in enumerate(layers, start=1):
         mx.eval(layer.parameters())
-        progress("weights", index, total)
+        layer_done(index)
     mx.eval(loaded_model.parameters())  # embeddings, norms, head
-    progress("weights", total, total)
+    layer_done(total)
     return LoadedModel(
         model=loaded_model,
         tokenizer=tokenizer,

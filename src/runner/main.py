@@ -20,11 +20,13 @@ import threading
 import time
 from typing import Any, NoReturn
 
+import msgspec
 import structlog
 
 from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
     Cancel,
+    CauseClass,
     ExitAudit,
     Generate,
     GenerationDone,
@@ -42,22 +44,26 @@ from ipc.messages import (
     TextChunk,
 )
 from runner.faults import Faults
+from runner.guard import MemoryGuard, MemoryGuardError
 from runner.logs import configure_logging
 
 EXIT_ORPHANED = 70  # the supervisor went away
 EXIT_PROTOCOL = 71  # the supervisor sent something we cannot read
 EXIT_LOAD_FAILED = 72
+EXIT_MEMORY_GUARD = 73  # the load guard stopped the load (the supervisor's classifier knows 73)
 
 log = structlog.get_logger("runner")
 
 
 class RunnerExit(Exception):
-    """Leave the main loop and exit with ``code``, reporting ``cause``."""
+    """Leave the main loop and exit with ``code``, reporting ``cause`` (and its
+    ``cause_class`` when the runner knows it)."""
 
-    def __init__(self, code: int, cause: str) -> None:
+    def __init__(self, code: int, cause: str, cause_class: CauseClass | None = None) -> None:
         super().__init__(cause)
         self.code = code
         self.cause = cause
+        self.cause_class = cause_class
 
 
 def set_parent_death_signal(parent_pid: int) -> None:
@@ -83,15 +89,6 @@ def disable_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def memory_figures() -> tuple[int, int]:
-    """MLX active and peak memory in bytes (0, 0 before mlx is imported)."""
-    mx = sys.modules.get("mlx.core")
-    try:
-        return int(mx.get_active_memory()), int(mx.get_peak_memory())  # type: ignore[union-attr]
-    except Exception:  # not imported, or half-way through its import
-        return 0, 0
-
-
 class Runner:
     """State of the runner process: the model, the current request, the pipe."""
 
@@ -110,6 +107,10 @@ class Runner:
         self.model: Any = None
         self.tokenizer: Any = None
         self.max_tokens_cap: int | None = None
+        # Limits and guards; its ``figures`` are what the reader thread's Pongs carry.
+        self.guard = MemoryGuard()
+        self.tokens_served = 0
+        self.requests_served = 0
         self._lock = threading.Lock()
 
     # --- the reader thread ---------------------------------------------------
@@ -125,14 +126,18 @@ class Runner:
                 command = self.channel.recv()
             except ChannelClosed:
                 log.warning("supervisor_gone", action="exiting")
+                self.exit_audit("orphaned: the supervisor closed the pipe")
                 os._exit(EXIT_ORPHANED)
             except (ProtocolError, OSError) as exc:
                 log.error("protocol_error", error=str(exc))
+                # Logged, not sent: the main thread may hold the send lock on a full pipe.
+                self.exit_audit(f"protocol error: {exc}")
                 os._exit(EXIT_PROTOCOL)
             if isinstance(command, Ping):
                 # No mlx call here: liveness must not depend on what mlx is doing.
+                # The figures are those the main thread measured last.
                 with contextlib.suppress(OSError):
-                    self.channel.send(Pong(command.seq, 0))
+                    self.channel.send(Pong(command.seq, self.guard.figures))
                 continue
             if isinstance(command, Cancel):
                 with self._lock:
@@ -167,6 +172,12 @@ class Runner:
                 self.generate(command)
 
     def load(self, command: LoadModel) -> None:
+        """Load the model of ``command`` under its memory plan; send Ready.
+
+        Raises:
+            RunnerExit: the load failed (exit 72), or the memory guard
+                stopped it (exit 73, cause class ``memory_guard``).
+        """
         from runner.loading import load_model
 
         self.name = command.name
@@ -177,22 +188,52 @@ class Runner:
         structlog.contextvars.bind_contextvars(model=command.name)
 
         def progress(phase: str, done: int, total: int) -> None:
-            active = memory_figures()[0]
-            self.channel.send(LoadProgress(command.name, phase, done, total, active))
-            if phase == "weights":
-                log.info("load_progress", layer=done, layers=total, active_bytes=active)
+            # On "weights" the guard has just measured the layer (load_model's contract).
+            active = self.guard.figures.active_bytes
+            view = self.guard.last_view if phase == "weights" else None
+            remaining = None if view is None else view.remaining_bytes
+            self.channel.send(LoadProgress(command.name, phase, done, total, active, remaining))
+            if view is not None:
+                log.info(
+                    "load_progress",
+                    layer=done,
+                    layers=total,
+                    active_bytes=active,
+                    remaining_bytes=remaining,
+                    footprint_bytes=view.footprint_bytes,
+                )
 
         log.info("load_started", source=command.model, max_tokens_cap=command.max_tokens_cap)
         try:
+            self.guard.plan = command.memory
+            self.guard.apply_limits()
             self.faults.at_load()
-            loaded = load_model(command.model, progress)
+            loaded = load_model(command.model, progress, self.guard)
+        except MemoryGuardError as exc:
+            log.error(
+                "memory_guard_abort",
+                model=command.model,
+                layer=exc.layer,
+                layers=exc.layers,
+                remaining_bytes=exc.remaining,
+                guard_bytes=exc.threshold,
+                footprint_bytes=exc.footprint,
+                budget_bytes=exc.budget,
+                total_bytes=exc.total,
+                error=str(exc),
+            )
+            self.channel.send(LoadFailed(str(exc)))
+            raise RunnerExit(
+                EXIT_MEMORY_GUARD, f"memory_guard: {exc.reason}", "memory_guard"
+            ) from exc
         except Exception as exc:
             log.error("load_failed", model=command.model, error=repr(exc))
             error = f"{type(exc).__name__}: {exc}"
             self.channel.send(LoadFailed(error))
             raise RunnerExit(EXIT_LOAD_FAILED, f"load failed: {error}") from exc
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        active, peak = memory_figures()
+        self.guard.refresh()
+        active, peak = self.guard.figures.active_bytes, self.guard.figures.peak_bytes
         log.info(
             "ready", path=str(loaded.path), param_bytes=loaded.param_bytes, load_s=loaded.load_s
         )
@@ -207,6 +248,7 @@ class Runner:
             self.cancelled.clear()
             if request.request_id in self.cancelled_ids or self.shutting_down:
                 self.cancelled.set()
+
         def send(message: TextChunk | Heartbeat) -> None:
             tokens = message.generation_tokens if isinstance(message, TextChunk) else 0
             if tokens and self.faults.garbage_due(tokens):
@@ -229,11 +271,14 @@ class Runner:
                 cancelled=self.cancelled,
                 send=send,
                 faults=self.faults,
+                guard=self.guard,
             )
         except Exception as exc:
             log.error("generation_failed", request_id=request.request_id, error=repr(exc))
             self.channel.send(GenerationFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
         else:
+            self.tokens_served += done.generation_tokens
+            self.requests_served += 1
             self.channel.send(done)  # the client first, the log after
             log.info(
                 "generation_done",
@@ -241,12 +286,32 @@ class Runner:
                 tokens=done.generation_tokens,
                 tps=round(done.generation_tps, 1),
                 finish_reason=done.finish_reason,
+                max_tokens_clamped_to=done.max_tokens_clamped_to,
+                detail=done.detail,
             )
         finally:
+            if self.model is not None:
+                self.guard.refresh()  # the figures after the request, for Pongs
             with self._lock:
                 self.current_request = None
                 self.pending.discard(request.request_id)
                 self.cancelled_ids.discard(request.request_id)
+
+    def exit_audit(self, cause: str, cause_class: CauseClass | None = None) -> ExitAudit:
+        """Log and return the runner's last words, from the latest figures
+        (no mlx call: the reader thread uses it too)."""
+        figures = self.guard.figures
+        audit = ExitAudit(
+            cause=cause,
+            active_bytes=figures.active_bytes,
+            peak_bytes=figures.peak_bytes,
+            cache_bytes=figures.cache_bytes,
+            tokens_served=self.tokens_served,
+            requests_served=self.requests_served,
+            cause_class=cause_class,
+        )
+        log.info("exit_audit", **msgspec.structs.asdict(audit))
+        return audit
 
     def release(self) -> None:
         """Drop the model and return MLX's cached buffers (best effort)."""
@@ -305,11 +370,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     channel.send(Started(import_s))
 
     cause = "unknown"
+    cause_class: CauseClass | None = None
     code = 0
     try:
         cause = runner.serve()
     except RunnerExit as exc:
-        code, cause = exc.code, exc.cause
+        code, cause, cause_class = exc.code, exc.cause, exc.cause_class
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
         cause = "SIGTERM" if code == 128 + signal.SIGTERM else f"exit {code}"
@@ -319,10 +385,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         log.exception("runner_crashed")
     finally:
         runner.release()
-        active, peak = memory_figures()
-        log.info("exit_audit", cause=cause, active_bytes=active, peak_bytes=peak)
+        # Last words go out even if measuring fails; the figures are then the last ones.
+        with contextlib.suppress(Exception):
+            runner.guard.refresh()
+        audit = runner.exit_audit(cause, cause_class)
         with contextlib.suppress(OSError):
-            channel.send(ExitAudit(cause, active, peak))
+            channel.send(audit)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -19,6 +19,7 @@ from ipc.messages import ChatMessage, LoadProgress, RunnerInfo, StatusReply
 from supervisor import __version__
 from supervisor.client import Client, ClientError, DaemonUnreachable
 from supervisor.paths import SOCKET_ENV, default_config_path, default_socket_path
+from supervisor.units import format_bytes, format_duration, parse_duration
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -26,37 +27,13 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 
-def format_bytes(n: int | None) -> str:
-    """1536 -> '1.5 KiB'; None -> '-'."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
 def status_table(status: StatusReply) -> str:
     """The status as a table for people, like ``ollama ps``."""
-    sup, system = status.supervisor, status.system
+    sup = status.supervisor
     lines = [
         f"supervisor pid {sup.pid}, version {sup.version}, up {format_duration(sup.uptime_s)}, "
         f"socket {sup.socket}",
-        f"memory: {format_bytes(system.memory_available_bytes)} available of "
-        f"{format_bytes(system.memory_total_bytes)}",
+        memory_line(status),
     ]
     spare = status.spare
     if spare is not None and spare.state == "failed":
@@ -64,7 +41,8 @@ def status_table(status: StatusReply) -> str:
     if not status.runners:
         lines.append("no models loaded")
         return "\n".join(lines)
-    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "UP", "QUEUE", "RESTARTS", "LAST EXIT")
+    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "MLX", "BUDGET", "UP", "QUEUE", "RESTARTS",
+              "LAST EXIT")  # fmt: skip
     now = time.time()
     rows: list[tuple[str, ...]] = [header]
     for r in status.runners:
@@ -76,15 +54,36 @@ def status_table(status: StatusReply) -> str:
     return "\n".join(lines)
 
 
+def memory_line(status: StatusReply) -> str:
+    """'memory: 12.1 GiB available of 24.0 GiB (49.6% used, threshold 70%), runners 1.2 GiB'."""
+    system = status.system
+    override = f", override {system.override_mb} MB" if system.override_mb is not None else ""
+    return (
+        f"memory: {format_bytes(system.memory_available_bytes)} available of "
+        f"{format_bytes(system.memory_total_bytes)} ({system.pressure_pct:.1f}% used, "
+        f"threshold {system.threshold_pct:g}%{override}), runners "
+        f"{format_bytes(system.runners_bytes)}"
+    )
+
+
 def _runner_row(r: RunnerInfo, now: float) -> tuple[str, ...]:
     up = format_duration(now - r.started_at) if r.started_at and r.pid else "-"
     last = r.last_exit.cause if r.last_exit is not None else "-"
+    if r.last_exit is not None and r.last_exit.cause_class not in ("unknown", "requested"):
+        last = f"[{r.last_exit.cause_class}] {last}"
+    if r.failure:
+        last = r.failure
+    mlx = None
+    if r.mlx_active_bytes is not None:
+        mlx = r.mlx_active_bytes + (r.mlx_cache_bytes or 0)
     return (
         r.name,
         r.model,
         str(r.pid) if r.pid is not None else "-",
         r.state,
         format_bytes(r.rss_bytes),
+        format_bytes(mlx),
+        format_bytes(r.memory_budget_bytes) + (" pinned" if r.pinned else ""),
         up,
         str(r.queue_depth),
         str(r.restarts),
@@ -101,7 +100,10 @@ class ProgressPrinter:
 
     def __call__(self, p: LoadProgress) -> None:
         if p.phase == "weights":
-            text = f"loading {p.name}: layer {p.done}/{p.total} ({format_bytes(p.active_bytes)})"
+            text = f"loading {p.name}: layer {p.done}/{p.total} ({format_bytes(p.active_bytes)}"
+            if p.remaining_bytes is not None:
+                text += f", {format_bytes(p.remaining_bytes)} left on the machine"
+            text += ")"
         else:
             text = f"loading {p.name}: {p.phase}"
         if self.tty:
@@ -127,9 +129,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config_path: Path | None = args.config
     if config_path is None and default_config_path().exists():
         config_path = default_config_path()
+    from supervisor.memory.monitor import override_mb
+
     try:
         config = load_config(config_path)
-    except ConfigError as exc:
+        override_mb(config.memory_override_mb)  # a bad OVERRIDE_MEMORY_MB stops us here
+    except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     socket_path = args.socket or (
@@ -160,6 +165,9 @@ def cmd_load(args: argparse.Namespace, client: Client) -> int:
             max_tokens=args.max_tokens,
             env=env,
             restart=args.restart,
+            keep_alive_s=args.keep_alive,
+            pinned=True if args.pin else None,
+            context_tokens=args.context,
             on_progress=progress,
         )
     finally:
@@ -203,8 +211,16 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
             "prompt_tps": done.prompt_tps,
             "peak_memory_bytes": done.peak_memory_bytes,
             "finish_reason": done.finish_reason,
+            "max_tokens_clamped_to": done.max_tokens_clamped_to,
+            "detail": done.detail,
         }
         sys.stdout.write(json.dumps(summary) + "\n")
+    if done.max_tokens_clamped_to is not None:
+        print(f"note: max_tokens clamped to the model's cap, {done.max_tokens_clamped_to}",
+              file=sys.stderr)  # fmt: skip
+    if done.finish_reason == "memory_pressure":
+        print(f"error: stopped by the memory guard: {done.detail}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -250,6 +266,31 @@ def cmd_service(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from supervisor.memory.estimate import estimate_json, estimate_reference, render_estimate
+
+    try:
+        estimate = estimate_reference(args.model, args.context)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot estimate {args.model}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if estimate is None:
+        print(f"error: {args.model} is not on this machine (nothing to measure)", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(estimate_json(estimate)))
+    else:
+        print(render_estimate(estimate, args.model))
+    return EXIT_OK
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from supervisor.demo import run_demo
 
@@ -282,6 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when to restart a dead runner (default: the daemon's)")  # fmt: skip
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the runner (repeatable)")  # fmt: skip
+    p.add_argument("--keep-alive", type=_duration, metavar="DURATION",
+                   help="unload after this long idle: 30s, 5m, 2h; 0 keeps it (default: "
+                   "the daemon's keep_alive_s)")  # fmt: skip
+    p.add_argument("--pin", action="store_true",
+                   help="never evict or expire this model")  # fmt: skip
+    p.add_argument("--context", type=int, metavar="TOKENS",
+                   help="context the memory estimate plans for (default: min(model's, 8192))")
+
+    p = sub.add_parser("estimate", help="how much memory a model needs (no daemon needed)")
+    p.add_argument("model", help="Hugging Face repo id, local directory or builtin:tiny")
+    p.add_argument("--context", type=int, metavar="TOKENS", help="context tokens to plan for")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", parents=[socket_parent], help="stream a generation")
     p.add_argument("name")
@@ -330,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_service(args)
     if args.command == "demo":
         return cmd_demo(args)
+    if args.command == "estimate":
+        return cmd_estimate(args)
     client = Client(args.socket)
     try:
         return CLIENT_COMMANDS[args.command](args, client)

@@ -161,6 +161,9 @@ class Client:
         max_tokens: int | None = None,
         env: dict[str, str] | None = None,
         restart: RestartStrategy | None = None,
+        keep_alive_s: float | None = None,
+        pinned: bool | None = None,
+        context_tokens: int | None = None,
         on_progress: Callable[[LoadProgress], None] | None = None,
     ) -> Loaded:
         """Start a runner for ``model`` and wait until it is ready.
@@ -174,7 +177,10 @@ class Client:
             if on_progress is not None and isinstance(message, LoadProgress):
                 on_progress(message)
 
-        request = LoadRequest(local_model_reference(model), name, max_tokens, env or {}, restart)
+        request = LoadRequest(
+            local_model_reference(model), name, max_tokens, env or {}, restart,
+            keep_alive_s, pinned, context_tokens,
+        )  # fmt: skip
         return self._request(request, Loaded, progress)
 
     def unload(self, name: str) -> Unloaded:
@@ -392,8 +398,14 @@ class AsyncClient:
         max_tokens: int | None = None,
         env: dict[str, str] | None = None,
         restart: RestartStrategy | None = None,
+        keep_alive_s: float | None = None,
+        pinned: bool | None = None,
+        context_tokens: int | None = None,
     ) -> Loaded:
-        request = LoadRequest(local_model_reference(model), name, max_tokens, env or {}, restart)
+        request = LoadRequest(
+            local_model_reference(model), name, max_tokens, env or {}, restart,
+            keep_alive_s, pinned, context_tokens,
+        )  # fmt: skip
         return await self._request(request, Loaded)
 
     async def unload(self, name: str) -> Unloaded:

@@ -22,6 +22,10 @@ Count = Annotated[int, Meta(ge=0, le=1_000_000)]
 Positive = Annotated[int, Meta(ge=1, le=1_000_000)]
 FrameBytes = Annotated[int, Meta(ge=4096, le=1 << 30)]
 Uid = Annotated[int, Meta(ge=0, le=2**32 - 1)]
+Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
+Percent = Annotated[float, Meta(gt=0, le=100)]
+KeepAliveSeconds = Annotated[float, Meta(ge=0, le=365 * 86_400)]  # 0: forever
+ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 
 
 class ConfigError(Exception):
@@ -37,6 +41,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     env: dict[str, str] = {}  # added to the runner's environment
     preload: bool = False  # load when the daemon starts
     restart: RestartStrategy | None = None  # default: the daemon's restart setting
+    pinned: bool = False  # never evicted to make room, never expired
+    keep_alive_s: KeepAliveSeconds | None = None  # idle this long: unloaded (default: daemon's)
+    context_tokens: ContextTokens | None = None  # what the estimate plans the KV cache for
 
 
 class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,6 +77,16 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_queue: Count = 64  # waiting requests per model; past it, error busy
     client_idle_timeout_s: Seconds = 10.0  # to send the whole first request
     client_write_timeout_s: Seconds = 10.0  # a client that reads nothing this long is gone
+    # memory safety (README: "Memory"); sizes in bytes
+    memory_poll_s: Annotated[float, Meta(ge=0.05, le=3_600)] = 1.0
+    memory_override_mb: Annotated[int, Meta(ge=64, le=1 << 30)] | None = None
+    pressure_threshold_pct: Percent | None = None  # default by machine size: 70-85%
+    memory_guard_bytes: Bytes | None = None  # free memory the guards keep; default max(10%, 5 GiB)
+    memory_headroom_bytes: Bytes | None = None  # added to an estimate; default max(5%, 256 MiB)
+    memory_gate_timeout_s: GraceSeconds = 10.0  # wait this long for a dead runner's memory
+    max_loaded_models: Count = 0  # 0: no cap; else evict the least recently used idle model
+    keep_alive_s: KeepAliveSeconds = 0.0  # idle models unloaded after this long (0: never)
+    max_tokens: Positive = 4096  # hard cap on any request's max_tokens (per model: max_tokens)
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True

@@ -47,7 +47,6 @@ from supervisor import __version__
 from supervisor.config import SupervisorConfig
 from supervisor.registry import Registry, RequestError
 from supervisor.security import ensure_private_dir, peer_credentials
-from supervisor.system import system_info
 
 log = structlog.get_logger("supervisor.control")
 
@@ -300,7 +299,7 @@ class ControlServer:
                 uptime_s=time.monotonic() - self.started,
                 socket=str(self.socket_path),
             ),
-            system=system_info(),
+            system=self.registry.system_info(),
             runners=self.registry.status(),
             spare=self.registry.spare.info(),
             counters=dict(self.registry.counters),

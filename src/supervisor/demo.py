@@ -19,9 +19,10 @@ from pathlib import Path
 import psutil
 
 from ipc.messages import LoadProgress
-from supervisor.cli import format_bytes, status_table
+from supervisor.cli import status_table
 from supervisor.client import Client, ClientError
 from supervisor.spawn import DaemonProcess
+from supervisor.units import format_bytes
 
 
 def step(number: int, title: str) -> None:

@@ -10,7 +10,9 @@ run one at a time, in arrival order (a fair lock); models serve in parallel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -37,14 +39,20 @@ from ipc.messages import (
     LoadModel,
     LoadProgress,
     LoadRequest,
+    MemoryPlan,
     Ready,
     RunnerInfo,
     RunnerState,
+    SystemInfo,
     TextChunk,
     Unloaded,
 )
 from ipc.messages import Cancel as CancelCommand
 from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.memory.admission import Admission, AdmissionRefused
+from supervisor.memory.classify import classify_exit
+from supervisor.memory.estimate import Estimate, estimate_reference
+from supervisor.memory.monitor import MemoryMonitor, override_mb
 from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
@@ -56,7 +64,7 @@ log = structlog.get_logger("supervisor.registry")
 
 # The moves a model's state may make (see ARCHITECTURE.md's lifecycle).
 ALLOWED_MOVES: dict[RunnerState, set[RunnerState]] = {
-    "starting": {"loading", "crashed", "stopping"},
+    "starting": {"loading", "crashed", "failed", "stopping"},  # failed: admission refused
     "loading": {"ready", "crashed", "stopping"},
     "ready": {"busy", "crashed", "stopping"},
     "busy": {"ready", "crashed", "stopping"},
@@ -122,7 +130,54 @@ class ModelEntry:
     state_changed: anyio.Event = field(default_factory=anyio.Event)
     load_result: Loaded | None = None
     load_error: str | None = None
+    load_error_code: ErrorCode = "load_failed"
     progress_listeners: list[ProgressListener] = field(default_factory=list)
+    keep_alive_s: float = 0.0  # idle this long: unloaded (0: never)
+    estimate: Estimate | None = None
+    estimated: bool = False  # the estimator has been asked (its answer may be None)
+    plan: MemoryPlan | None = None  # what admission granted the current runner
+    admitted: bool = False  # from admission until that runner is gone
+    last_used: float = field(default_factory=time.monotonic)  # end of the last request
+
+    @property
+    def evictable(self) -> bool:
+        """Idle and not pinned: admission may unload it to make room."""
+        return (
+            not self.spec.pinned
+            and self.state == "ready"
+            and not self.request_lock.locked()
+            and not self.waiters
+            and not self.stop_requested.is_set()
+        )
+
+    @property
+    def holds_runner(self) -> bool:
+        """Counts against max_loaded_models and holds its budget: admitted,
+        and its runner not gone yet."""
+        return self.admitted and not self.stop_requested.is_set()
+
+    @property
+    def wired_limit_bytes(self) -> int | None:
+        return self.plan.wired_limit_bytes if self.plan is not None else None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.plan.budget_bytes if self.plan is not None else None
+
+    @property
+    def footprint_bytes(self) -> int:
+        handle = self.handle
+        return handle.footprint_bytes if handle is not None and handle.alive else 0
+
+    def expires_at(self) -> float | None:
+        """When keep-alive unloads this model if it stays idle (monotonic), or None."""
+        if self.spec.pinned or self.keep_alive_s <= 0 or not self.evictable:
+            return None
+        return self.last_used + self.keep_alive_s
+
+    def touch(self) -> None:
+        """Note a use: keep-alive and LRU eviction count from here."""
+        self.last_used = time.monotonic()
 
     @property
     def name(self) -> str:
@@ -180,6 +235,7 @@ class ModelEntry:
     def info(self) -> RunnerInfo:
         handle = self.handle
         pid = handle.pid if handle is not None and handle.alive else None
+        memory = handle.memory if pid is not None and handle is not None else None
         return RunnerInfo(
             name=self.name,
             model=self.spec.model,
@@ -193,6 +249,14 @@ class ModelEntry:
             queue_depth=len(self.waiters),
             next_restart_at=self.next_restart_at,
             failure=self.failure,
+            mlx_active_bytes=memory.active_bytes if memory is not None else None,
+            mlx_cache_bytes=memory.cache_bytes if memory is not None else None,
+            mlx_peak_bytes=memory.peak_bytes if memory is not None else None,
+            memory_budget_bytes=self.plan.budget_bytes if self.plan is not None else None,
+            estimate_bytes=self.estimate.total_bytes if self.estimate is not None else None,
+            pinned=self.spec.pinned,
+            keep_alive_s=self.keep_alive_s,
+            last_used_at=time.time() - (time.monotonic() - self.last_used),
         )
 
 
@@ -220,11 +284,34 @@ class Registry:
         self.spare = HotSpare(config, self.spawn)
         self.live_handles: set[RunnerHandle] = set()
         self._request_ids = itertools.count(1)
+        self.monitor = MemoryMonitor(
+            override_mb=override_mb(config.memory_override_mb),
+            threshold_pct=config.pressure_threshold_pct,
+            poll_s=config.memory_poll_s,
+            footprint=self.runners_footprint,
+        )
+        self.admission = Admission(config, self.monitor, self.counters)
+        self._idle_changed = anyio.Event()
 
     def start_background(self) -> None:
-        """Start the registry's own background work (the hot spare)."""
+        """Start the registry's own background work: the hot spare, the memory
+        monitor and keep-alive expiry."""
         if self.config.hot_spare:
             self.task_group.start_soon(self.spare.keep, name="hot spare")
+        self.task_group.start_soon(self.monitor.run, name="memory monitor")
+        self.task_group.start_soon(self._expire_idle, name="keep-alive expiry")
+
+    def runners_footprint(self) -> int:
+        """What our runner processes (the spare too) hold now, in bytes."""
+        total = 0
+        for handle in list(self.live_handles):
+            handle.measure_rss()
+            total += handle.footprint_bytes
+        return total
+
+    def idle_changed(self) -> None:
+        """A model became idle or busy: keep-alive recomputes its deadline."""
+        self._idle_changed.set()
 
     def get(self, name: str) -> ModelEntry:
         """The entry called ``name``. Raises RequestError(unknown_model)."""
@@ -236,6 +323,18 @@ class Registry:
 
     def status(self) -> list[RunnerInfo]:
         return [entry.info() for entry in list(self.entries.values())]
+
+    def system_info(self) -> SystemInfo:
+        """The machine's memory as the monitor saw it last (override applied)."""
+        snapshot = self.monitor.latest
+        return SystemInfo(
+            memory_total_bytes=snapshot.total_bytes,
+            memory_available_bytes=snapshot.available_bytes,
+            pressure_pct=round(snapshot.pressure_pct, 1),
+            threshold_pct=snapshot.threshold_pct,
+            override_mb=snapshot.override_mb,
+            runners_bytes=snapshot.runners_bytes,
+        )
 
     # --- runner processes ----------------------------------------------------
 
@@ -270,6 +369,9 @@ class Registry:
                     await handle.exited.wait()
                 finally:
                     self.live_handles.discard(handle)
+                    self.admission.note_departure(
+                        handle.spec.name, handle.footprint_bytes, handle.started_monotonic
+                    )
                     self.on_change()
         except Exception as exc:
             handle.log.exception("runner_task_failed")
@@ -301,10 +403,13 @@ class Registry:
         name = request.name or derive_name(request.model)
         configured = self.config.model_config(name)
         env = {**(configured.env if configured else {}), **request.env}
-        max_tokens = request.max_tokens or (configured.max_tokens if configured else None)
-        restart = request.restart or (configured.restart if configured else None)
-        fields = {"name": name, "model": request.model, "max_tokens": max_tokens,
-                  "env": env, "restart": restart}  # fmt: skip
+        fields: dict[str, Any] = msgspec.to_builtins(configured) if configured else {}
+        fields.pop("preload", None)
+        fields.update(name=name, model=request.model, env=env)
+        for key in ("max_tokens", "restart", "keep_alive_s", "pinned", "context_tokens"):
+            value = getattr(request, key)
+            if value is not None:
+                fields[key] = value
         try:
             return msgspec.convert(fields, ModelConfig)
         except msgspec.ValidationError as exc:
@@ -360,6 +465,9 @@ class Registry:
         )
         entry = ModelEntry(spec, RestartTracker(spec.restart or self.config.restart, intensity))
         entry.keep_if_first_load_fails = keep_if_first_load_fails
+        entry.keep_alive_s = (
+            spec.keep_alive_s if spec.keep_alive_s is not None else self.config.keep_alive_s
+        )
         if on_progress is not None:
             entry.progress_listeners.append(on_progress)
         self.entries[spec.name] = entry
@@ -373,7 +481,8 @@ class Registry:
             if self.entries.get(entry.name) is entry and not entry.keep_if_first_load_fails:
                 del self.entries[entry.name]
                 self.on_change()
-            raise RequestError("load_failed", entry.load_error or entry.failure or "load failed")
+            message = entry.load_error or entry.failure or "load failed"
+            raise RequestError(entry.load_error_code, message)
         self.on_change()
         return entry.load_result
 
@@ -400,11 +509,38 @@ class Registry:
             entry.stopped.set()
 
     async def _supervise_runners(self, entry: ModelEntry) -> None:
+        reason = "load"
         while True:
-            exit_info = await self._run_runner(entry)
+            plans: list[MemoryPlan] = []
+            try:  # an unload meanwhile cuts the wait for admission short
+                await wait_unless(
+                    entry.stop_requested, functools.partial(self._admit_into, plans, entry, reason)
+                )
+            except AdmissionRefused as refused:
+                self._refuse(entry, refused.message)
+                return
+            if entry.stop_requested.is_set() or not plans:
+                return
+            entry.plan = plans[0]
+            entry.admitted = True
+            try:
+                exit_info = await self._run_runner(entry)
+            finally:
+                entry.admitted = False
+            exit_info.cause_class = classify_exit(
+                exit_info,
+                requested=entry.stop_requested.is_set(),
+                # A runner we killed ourselves (a stall) is no OOM kill.
+                under_pressure=self.monitor.under_pressure
+                and not (entry.handle is not None and entry.handle.kill_cause),
+            )
             entry.last_exit = exit_info
             if entry.stop_requested.is_set():
                 return
+            entry.log.warning("runner_died", cause=exit_info.cause,
+                              cause_class=exit_info.cause_class)  # fmt: skip
+            self.counters[f"deaths_{exit_info.cause_class}"] += 1
+            reason = f"restart after {exit_info.cause_class}"
             entry.move("crashed")
             if not entry.loaded.is_set():  # the first load failed: no restarts
                 if entry.keep_if_first_load_fails:
@@ -430,6 +566,82 @@ class Registry:
             entry.restarts += 1
             self.counters["restarts"] += 1
             entry.move("starting")
+
+    async def _admit_into(self, plans: list[MemoryPlan], entry: ModelEntry, reason: str) -> None:
+        plans.append(await self._admit(entry, reason))
+
+    async def _admit(self, entry: ModelEntry, reason: str) -> MemoryPlan:
+        """Admission for the entry's next runner (estimating the model once).
+
+        Raises:
+            AdmissionRefused: it does not fit, even after evicting idle models.
+        """
+        if not entry.estimated:
+            entry.estimated = True
+            try:
+                entry.estimate = await anyio.to_thread.run_sync(
+                    estimate_reference, entry.spec.model, entry.spec.context_tokens
+                )
+            except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
+                entry.log.warning("estimate_failed", error=str(exc))
+            if entry.estimate is not None:
+                entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
+        spare = self.spare.current
+        spare_bytes = 0
+        if spare is not None and spare.alive and spare.warm.is_set():
+            spare_bytes = spare.measure_rss() or 0
+        return await self.admission.admit(
+            entry.name,
+            entry.estimate,
+            reason=reason,
+            others=lambda: [e for e in list(self.entries.values()) if e is not entry],
+            evict=self._evict,
+            spare_bytes=spare_bytes,
+        )
+
+    def _refuse(self, entry: ModelEntry, message: str) -> None:
+        """Admission refused the entry's runner: a first load fails with
+        insufficient_memory; a restart leaves the model failed, not looping."""
+        entry.log.error("admission_refused", reason=message)
+        entry.load_error = message
+        entry.load_error_code = "insufficient_memory"
+        if entry.loaded.is_set() or entry.keep_if_first_load_fails:
+            entry.failure = f"insufficient memory: {message}"
+            if entry.state != "stopping":
+                entry.move("failed")
+            self.counters["failed"] += 1
+
+    async def _evict(self, name: str, reason: str) -> None:
+        with contextlib.suppress(RequestError):  # it went away meanwhile
+            await self.unload(name, reason=reason)
+
+    async def _expire_idle(self) -> None:
+        """Unload models idle longer than their keep-alive (never pinned ones).
+
+        Sleeps until the earliest deadline; a request starting or ending, or a
+        model becoming ready, wakes it to recompute.
+        """
+        while True:
+            now = time.monotonic()
+            next_deadline = math.inf
+            for entry in list(self.entries.values()):
+                deadline = entry.expires_at()
+                if deadline is None:
+                    continue
+                if deadline <= now:
+                    # Synchronous from the check to stop_requested: nothing gets in between.
+                    self.counters["expired"] += 1
+                    idle_s = round(now - entry.last_used, 1)
+                    self.task_group.start_soon(
+                        self._evict, entry.name, f"expired: idle {idle_s}s (keep_alive "
+                        f"{entry.keep_alive_s:g}s)", name=f"expire {entry.name}"
+                    )  # fmt: skip
+                    await anyio.sleep(0)
+                else:
+                    next_deadline = min(next_deadline, deadline)
+            self._idle_changed = anyio.Event()
+            with anyio.move_on_after(max(next_deadline - time.monotonic(), 0.0)):
+                await self._idle_changed.wait()
 
     async def _run_runner(self, entry: ModelEntry) -> ExitInfo:
         """Start a runner for the entry, load the model, and wait for its end."""
@@ -458,7 +670,8 @@ class Registry:
     async def _load_model(self, entry: ModelEntry, handle: RunnerHandle) -> None:
         spec = entry.spec
         faults = spec.env.get(FAULTS_ENV, "")
-        await handle.send(LoadModel(spec.name, spec.model, spec.max_tokens, faults))
+        max_tokens = spec.max_tokens or self.config.max_tokens
+        await handle.send(LoadModel(spec.name, spec.model, max_tokens, faults, entry.plan))
         while True:
             event = await handle.next_event()
             if isinstance(event, LoadProgress):
@@ -477,8 +690,10 @@ class Registry:
                 )
                 entry.progress_listeners.clear()
                 if entry.state == "loading":
+                    entry.touch()
                     entry.move("ready")
                     entry.log.info("model_ready", restarts=entry.restarts)
+                    self.idle_changed()
                 entry.loaded.set()
                 return
             elif isinstance(event, LoadFailed):
@@ -514,6 +729,19 @@ class Registry:
         if request.sampling.max_tokens < 1:
             raise RequestError("bad_request", "max_tokens must be at least 1")
         entry = self.get(request.name)
+        try:
+            await self._generate_with_retry(entry, request, emit, cancel, on_queued)
+        finally:
+            self.idle_changed()  # its turn and its place in line are given up
+
+    async def _generate_with_retry(
+        self,
+        entry: ModelEntry,
+        request: GenerateRequest,
+        emit: Emit,
+        cancel: anyio.Event,
+        on_queued: QueueListener | None,
+    ) -> None:
         streamed = [False]
         for attempt in (1, 2):
             try:
@@ -626,6 +854,8 @@ class Registry:
     ) -> None:
         request_id = next(self._request_ids)
         entry.move("busy")
+        entry.touch()
+        self.idle_changed()
         failure: RunnerGone | RequestError | None = None
 
         async def forward_cancel() -> None:
@@ -649,6 +879,8 @@ class Registry:
                 with anyio.CancelScope(shield=True), contextlib.suppress(RunnerGone):
                     await handle.send(CancelCommand(request_id))
             entry.request_finished()
+            entry.touch()
+            self.idle_changed()
         if failure is not None:
             raise failure
 
@@ -700,6 +932,8 @@ class Registry:
         handle = entry.handle
         steps: list[str] = []
         if handle is not None and handle.alive:
+            with contextlib.suppress(Exception):  # a fresh "before" for the memory gate's log
+                await self.monitor.sample_async()
             steps = await handle.escalate(reason)
         await entry.stopped.wait()
         if self.entries.get(name) is entry:
@@ -708,7 +942,7 @@ class Registry:
         last_exit = entry.last_exit or ExitInfo(code=None, signal=None, cause="never started")
         pid = handle.pid if handle is not None and handle.pid is not None else 0
         elapsed_s = time.perf_counter() - started
-        log.info("model_unloaded", model=name, runner_pid=pid, steps=steps,
+        log.info("model_unloaded", model=name, runner_pid=pid, steps=steps, reason=reason,
                  elapsed_s=round(elapsed_s, 3))  # fmt: skip
         return Unloaded(name=name, pid=pid, steps=steps, elapsed_s=elapsed_s, exit=last_exit)
 

@@ -34,6 +34,7 @@ from ipc.messages import (
     Heartbeat,
     LoadModel,
     LoadProgress,
+    MemoryFigures,
     Ping,
     Pong,
     Ready,
@@ -46,6 +47,7 @@ from ipc.messages import (
 from supervisor import __version__
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.state import process_create_time
+from supervisor.system import process_rss
 
 _LEVELS = {"debug", "info", "warning", "error", "critical"}
 # Keys a relayed runner log record may not set as they are (ours, or structlog's).
@@ -103,7 +105,7 @@ def describe_exit(
             description = signal.strsignal(-returncode)
         except ValueError:
             description = None
-        return ExitInfo(None, name, cause, description, tail)
+        return ExitInfo(None, name, cause, description, tail, audit=audit)
     if kill_cause:
         cause = f"{kill_cause} (exited with code {returncode})"
     elif audit is not None:
@@ -112,7 +114,7 @@ def describe_exit(
         cause = f"exited with code {returncode}"
         if returncode != 0 and tail:
             cause += f": {tail[-1][:200]}"
-    return ExitInfo(returncode, None, cause, None, tail)
+    return ExitInfo(returncode, None, cause, None, tail, audit=audit)
 
 
 class RunnerHandle:
@@ -129,6 +131,7 @@ class RunnerHandle:
         self.process: Process | None = None
         self.channel: AsyncChannel[RunnerEvent] | None = None
         self.started_at: float | None = None
+        self.started_monotonic = math.inf  # when spawned (time.monotonic())
         self.exited = anyio.Event()
         self.exit_info: ExitInfo | None = None
         self.audit: ExitAudit | None = None
@@ -149,6 +152,9 @@ class RunnerHandle:
         self._phase_changed = anyio.Event()
         self._ping_seq = 0
         self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
+        # Memory as last reported (pongs, heartbeats, load progress) and measured.
+        self.memory = MemoryFigures()
+        self.rss_bytes: int | None = None
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
             max_buffer_size=math.inf
         )
@@ -206,6 +212,7 @@ class RunnerHandle:
         os.close(command_r)  # the child's ends
         os.close(event_w)
         self.started_at = time.time()
+        self.started_monotonic = time.monotonic()
         self.create_time = process_create_time(self.process.pid)
         self.log = self.log.bind(runner_pid=self.process.pid)
         self.log.info("runner_spawned", argv=argv[1:3])
@@ -319,13 +326,18 @@ class RunnerHandle:
                 self.last_alive_at = time.monotonic()
                 self.ping_unanswered_since = None
                 self._track_progress(event)
+                self._track_memory(event)
                 if isinstance(event, ExitAudit):
                     self.audit = event
                     self.log.info(
-                        "runner_exit_audit",
+                        "exit_audit",
                         cause=event.cause,
+                        cause_class=event.cause_class,
                         active_bytes=event.active_bytes,
                         peak_bytes=event.peak_bytes,
+                        cache_bytes=event.cache_bytes,
+                        tokens_served=event.tokens_served,
+                        requests_served=event.requests_served,
                     )
                 elif isinstance(event, Started):
                     self.warm.set()
@@ -380,6 +392,40 @@ class RunnerHandle:
             log_method(event, source="runner", **fields)
         else:
             self.log.info("runner_output", stream=source, line=text)
+
+    # --- memory ---------------------------------------------------------------
+
+    def _track_memory(self, event: RunnerEvent) -> None:
+        """Keep the runner's latest MLX figures, and its RSS on each pong."""
+        if isinstance(event, Pong):
+            self.memory = event.memory
+            self.measure_rss()
+        elif isinstance(event, Heartbeat) and event.memory is not None:
+            self.memory = event.memory
+        elif isinstance(event, LoadProgress):
+            self.memory = MemoryFigures(
+                event.active_bytes, self.memory.cache_bytes, max(self.memory.peak_bytes,
+                                                                 event.active_bytes)
+            )  # fmt: skip
+        elif isinstance(event, Ready):
+            self.memory = MemoryFigures(event.active_bytes, self.memory.cache_bytes,
+                                        event.peak_bytes)  # fmt: skip
+            self.measure_rss()
+
+    def measure_rss(self) -> int | None:
+        """Read the process's RSS now (kept while it lives, for after its death)."""
+        pid = self.pid
+        if pid is not None and not self.exited.is_set():
+            rss = process_rss(pid)
+            if rss is not None:
+                self.rss_bytes = rss
+        return self.rss_bytes
+
+    @property
+    def footprint_bytes(self) -> int:
+        """What this runner holds: its RSS or MLX's active + cache, the larger."""
+        mlx = self.memory.active_bytes + self.memory.cache_bytes
+        return max(self.rss_bytes or 0, mlx)
 
     # --- the stall watchdog --------------------------------------------------
 

@@ -1,16 +1,8 @@
-"""What the machine has: memory totals and per-process figures (psutil)."""
+"""Per-process figures (psutil); the machine's memory is supervisor.memory.monitor's."""
 
 from __future__ import annotations
 
 import psutil
-
-from ipc.messages import SystemInfo
-
-
-def system_info() -> SystemInfo:
-    """Total and available memory of the machine, in bytes."""
-    vm = psutil.virtual_memory()
-    return SystemInfo(memory_total_bytes=int(vm.total), memory_available_bytes=int(vm.available))
 
 
 def process_rss(pid: int) -> int | None:

@@ -1,0 +1,1 @@
+"""Memory safety, the supervisor's half: monitor, estimator, admission, death classes."""

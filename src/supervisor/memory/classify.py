@@ -1,0 +1,94 @@
+"""What kind of death a runner's exit was.
+
+:func:`classify_exit` reads an :class:`~ipc.messages.ExitInfo` (signal, exit
+code, the runner's exit audit, the last lines of its stderr) and names a
+:data:`~ipc.messages.CauseClass`. Memory classes (``metal_oom``,
+``cuda_oom``, ``memory_guard``, ``oom_killed``) send the restart through
+admission first.
+
+The fatal messages come from MLX itself (``mlx/backend/metal/device.cpp``,
+``mlx/backend/cuda/utils.cpp``, ``mlx/distributed/ring/ring.cpp``,
+``mlx/distributed/jaccl``) and from the IOGPU driver's error names, which
+Metal passes through verbatim. They are machine-written, so they are matched
+case-sensitively.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ipc.messages import CauseClass, ExitInfo
+
+MEMORY_GUARD_EXIT_CODE = 73
+"""Exit status the runner uses when its memory guard stopped a load."""
+
+FATAL_MESSAGES: tuple[tuple[re.Pattern[str], CauseClass], ...] = (
+    # Metal: the GPU could not get memory for a command buffer. Old MLX
+    # printed the description alone, newer adds the IOGPU code.
+    (re.compile(r"kIOGPUCommandBufferCallbackErrorOutOfMemory"), "metal_oom"),
+    (re.compile(r"\[METAL\] Command buffer execution failed: Insufficient Memory"), "metal_oom"),
+    # Metal: a command buffer ran too long. "Impacting Interactivity" is the
+    # OS preempting a buffer that monopolised the GPU; same cause, same cure
+    # (smaller prefill steps), so the same class.
+    (re.compile(r"kIOGPUCommandBufferCallbackErrorTimeout"), "gpu_timeout"),
+    (re.compile(r"kIOGPUCommandBufferCallbackErrorImpactingInteractivity"), "gpu_timeout"),
+    (
+        re.compile(r"\[METAL\] Command buffer execution failed: Caused GPU Timeout Error"),
+        "gpu_timeout",
+    ),
+    # CUDA: MLX reports "<call> failed: <cudaGetErrorString>", which is
+    # "out of memory" for cudaErrorMemoryAllocation / CUDA_ERROR_OUT_OF_MEMORY.
+    (re.compile(r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"), "cuda_oom"),
+    (re.compile(r"CUDA error: out of memory|CUDA out of memory"), "cuda_oom"),
+    (re.compile(r"\[CUDA\].*out of memory"), "cuda_oom"),
+    (re.compile(r"\bcu[A-Za-z]*(?:\(.*\))? failed: out of memory"), "cuda_oom"),
+    # A rank of a distributed group lost its peer. Checked last: when a
+    # rank dies of a GPU error its peers see the socket close, so a tail with
+    # both names the GPU error as the cause.
+    (re.compile(r"\[ring\] connection to a peer was lost"), "peer_lost"),
+    (re.compile(r"\[ring\] Too many send/recv errors"), "peer_lost"),
+    (re.compile(r"\[ring\] Socket \d+ was closed by the peer"), "peer_lost"),
+    # JACCL posts fail once the RDMA queue pair went to the error state,
+    # which is what a vanished peer does to it.
+    (re.compile(r"\[jaccl\] (?:Send|Recv) failed with error code"), "peer_lost"),
+    (re.compile(r"NCCL error .*remote process exited or there was a network error"), "peer_lost"),
+)
+"""Pattern -> class, in priority order: the first pattern found anywhere in
+the stderr tail or the cause wins."""
+
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS"})
+
+
+def classify_exit(exit_info: ExitInfo, *, requested: bool, under_pressure: bool) -> CauseClass:
+    """Name the kind of death ``exit_info`` describes.
+
+    In order: an exit the supervisor asked for (unload, expiry, eviction,
+    shutdown) is ``requested``; the runner's own memory guard (its exit audit
+    says so, or exit status 73) is ``memory_guard``; a known fatal message in
+    the stderr tail or the cause names its class (:data:`FATAL_MESSAGES`);
+    SIGSEGV or SIGBUS is ``segfault``; SIGKILL while the system was under
+    memory pressure is ``oom_killed``; anything else is ``unknown``.
+
+    Args:
+        exit_info: how the runner ended.
+        requested: the supervisor asked it to stop.
+        under_pressure: memory was past the threshold when it died. Pass
+            False for a SIGKILL the supervisor sent itself (a stall), which
+            is not an out-of-memory kill.
+    """
+    if requested:
+        return "requested"
+    audit = exit_info.audit
+    if (audit is not None and audit.cause_class == "memory_guard") or (
+        exit_info.code == MEMORY_GUARD_EXIT_CODE
+    ):
+        return "memory_guard"
+    text = "\n".join([exit_info.cause, *exit_info.stderr_tail])
+    for pattern, cause_class in FATAL_MESSAGES:
+        if pattern.search(text):
+            return cause_class
+    if exit_info.signal in CRASH_SIGNALS:
+        return "segfault"
+    if exit_info.signal == "SIGKILL" and under_pressure:
+        return "oom_killed"
+    return "unknown"

@@ -1,0 +1,473 @@
+"""The pre-load estimate: how much memory a model's runner will need, before it starts.
+
+003's formula, for MLX: weights + KV cache + activations + overhead, plus an allowance for a
+vision encoder's activations (ADR-016). Weights are exact where the model ships safetensors (the
+byte ranges in the file headers, quantized tensors included); the rest come from ``config.json``.
+The tensor data itself is never read, and mlx, mlx_lm and numpy are never imported: this runs
+inside the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from supervisor.units import format_bytes
+
+BUILTIN_PREFIX = "builtin:"  # as runner.builtin says; the daemon imports it only for builtins
+
+__all__ = [
+    "DEFAULT_CONTEXT_TOKENS",
+    "Estimate",
+    "default_context_tokens",
+    "estimate_json",
+    "estimate_model_dir",
+    "estimate_reference",
+    "local_model_path",
+    "render_estimate",
+]
+
+MiB = 1024**2
+
+# The KV cache is planned for this many tokens unless the model's own limit is smaller or the
+# model's config asks for another figure (ModelSpec.context_tokens).
+DEFAULT_CONTEXT_TOKENS = 8192
+# mlx_lm.generate_step prefills the prompt in steps of this many tokens (its prefill_step_size
+# default), evaluating the cache after each: activations never span more tokens than this.
+PREFILL_STEP_TOKENS = 2048
+# Live tensors of one layer during a prefill step, in units of seq x max(hidden, intermediate):
+# the MLP's gate, up and gate*up products (3 x seq x intermediate) plus the residual stream
+# (seq x hidden). Layers run one after another and MLX frees a finished layer's intermediates.
+ACTIVATION_MULTIPLIER = 4
+# Activation (and KV cache) element size when config.json names no dtype: bfloat16/float16.
+DEFAULT_BYTES_PER_ELEMENT = 2
+# An idle runner: Python + mlx + mlx_lm imported. Measured 75.8 MB RSS (import mlx_lm, psutil)
+# and 82.4 MB with the runner's own modules and a first evaluation (Linux, CPU backend, mlx
+# 0.32.4, mlx-lm 0.32.2); rounded up to 256 MiB for the Metal/CUDA device context and compiled
+# kernels, which the CPU backend measured here does not have.
+RUNNER_BASE_BYTES = 256 * MiB
+# MLX's allocator rounds buffers up to size classes and keeps freed ones in its cache.
+ALLOCATOR_SHARE_OF_WEIGHTS = 0.02
+# Vision encoder extra beyond its weights (which are already counted): image tensors and one
+# image's encoder activations, about constant, plus a share of all weights because the image
+# features then pass through the language model at its width (projector output, cross-attention
+# keys and values). ADR-016 saw ~2-5 GB for Llama-3.2-90B-Vision-4bit (49.9 GB): this gives
+# 2.5 GB there and 0.75 GB for the 11B (6 GB).
+VISION_BASE_BYTES = 512 * MiB
+VISION_SHARE_OF_WEIGHTS = 0.04
+# The safetensors reference implementation refuses headers above 100 MB; so do we, so that a
+# garbage length cannot make the daemon allocate gigabytes.
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
+
+_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Name components of vision-tower tensors across the common multimodal checkpoints
+# (LLaVA, Pixtral, Llama 3.2 Vision, Qwen2-VL, Gemma 3, Idefics, ...).
+_VISION_TENSOR_PARTS = frozenset(
+    {
+        "vision_tower",
+        "vision_model",
+        "visual",
+        "vision_encoder",
+        "multi_modal_projector",
+        "mm_projector",
+    }
+)
+# What snapshot_download must find in the cache for the estimate (and a load) to work.
+_HF_ALLOW_PATTERNS = ["*.json", "*.safetensors"]
+
+
+class Estimate(msgspec.Struct, frozen=True):
+    """A model's expected peak memory, part by part, in bytes."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    overhead_bytes: int
+    vision_bytes: int  # vision encoder extra (0 for text models)
+    total_bytes: int  # sum of the above
+    context_tokens: int  # what the KV cache was planned for
+    vision: bool
+    weights_source: str  # "safetensors" (exact), "gguf", "disk" (size on disk), "builtin"
+    path: str | None  # the model directory or file (None if not on disk)
+
+
+_SOURCE_TEXT = {
+    "safetensors": "exact, from the safetensors headers",
+    "gguf": "size of the .gguf file(s) on disk",
+    "disk": "size of the files on disk",
+    "builtin": "computed from the builtin recipe (not built yet)",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+
+def _text_value(config: dict[str, Any], key: str) -> Any:
+    """``config[key]``, else the language model's ``text_config[key]`` (multimodal configs)."""
+    value = config.get(key)
+    if value is not None:
+        return value
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict):
+        return text_config.get(key)
+    return None
+
+
+def _positive_int(config: dict[str, Any], key: str) -> int | None:
+    value = _text_value(config, key)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def _bytes_per_element(config: dict[str, Any]) -> int:
+    """Element size of activations and the KV cache: the model's dtype, even when quantized
+    (quantized weights are dequantized on the fly; what they produce is in this dtype)."""
+    dtype = _text_value(config, "torch_dtype") or _text_value(config, "dtype")
+    if isinstance(dtype, str):
+        return _BYTES_PER_DTYPE.get(dtype.removeprefix("torch."), DEFAULT_BYTES_PER_ELEMENT)
+    return DEFAULT_BYTES_PER_ELEMENT
+
+
+def _head_dim(config: dict[str, Any]) -> int | None:
+    head_dim = _positive_int(config, "head_dim")
+    if head_dim is not None:
+        return head_dim
+    hidden = _positive_int(config, "hidden_size")
+    heads = _positive_int(config, "num_attention_heads")
+    if hidden is None or heads is None:
+        return None
+    return hidden // heads
+
+
+def default_context_tokens(config: dict[str, Any]) -> int:
+    """Context the KV cache is planned for when none is configured.
+
+    ``min(max_position_embeddings, DEFAULT_CONTEXT_TOKENS)``, reading ``text_config`` for
+    multimodal configs; ``DEFAULT_CONTEXT_TOKENS`` when the config gives no limit.
+    """
+    limit = _positive_int(config, "max_position_embeddings")
+    return DEFAULT_CONTEXT_TOKENS if limit is None else min(limit, DEFAULT_CONTEXT_TOKENS)
+
+
+def _kv_cache_bytes(config: dict[str, Any], context_tokens: int) -> int:
+    """2 (K and V) x context x layers x kv_heads x head_dim x bytes; 0 if the config lacks them.
+
+    Every layer is counted as full attention: an upper bound for sliding-window layers.
+    """
+    layers = _positive_int(config, "num_hidden_layers")
+    kv_heads = _positive_int(config, "num_key_value_heads") or _positive_int(
+        config, "num_attention_heads"
+    )
+    head_dim = _head_dim(config)
+    if layers is None or kv_heads is None or head_dim is None:
+        return 0
+    return 2 * context_tokens * layers * kv_heads * head_dim * _bytes_per_element(config)
+
+
+def _activation_bytes(config: dict[str, Any], context_tokens: int) -> int:
+    """003's ``batch x seq x hidden x multiplier x bytes`` for one prefill step, plus that
+    step's attention scores (heads x seq x seq: the score block of the step's queries against
+    as many keys; Metal's fused attention never holds more). Batch is 1: a runner serves one
+    request at a time. Only the last token's logits are computed, so they are left out.
+    """
+    widths = [
+        w
+        for w in (_positive_int(config, "hidden_size"), _positive_int(config, "intermediate_size"))
+        if w is not None
+    ]
+    if not widths:
+        return 0
+    seq = min(context_tokens, PREFILL_STEP_TOKENS)
+    element = _bytes_per_element(config)
+    layer = seq * max(widths) * ACTIVATION_MULTIPLIER * element
+    heads = _positive_int(config, "num_attention_heads") or 0
+    scores = heads * seq * seq * element
+    return layer + scores
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    """``config.json`` of a model directory; empty when there is none."""
+    path = directory / "config.json"
+    return _read_json_object(path) if path.is_file() else {}
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def _safetensors_tensor_bytes(path: Path) -> dict[str, int]:
+    """Tensor name -> byte size, from the file's header only (the data is never read).
+
+    Raises:
+        ValueError: the header is truncated, too long, not JSON, or lacks data_offsets.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        length = int.from_bytes(prefix, "little")
+        size = os.fstat(f.fileno()).st_size
+        if length > SAFETENSORS_HEADER_MAX_BYTES:
+            raise ValueError(
+                f"{path}: safetensors header length {length} is over the "
+                f"{SAFETENSORS_HEADER_MAX_BYTES}-byte limit (corrupt file?)"
+            )
+        if length > size - 8:
+            raise ValueError(
+                f"{path}: safetensors header length {length} is beyond the end of the file "
+                f"({size} bytes; truncated or corrupt)"
+            )
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise ValueError(f"{path}: safetensors header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    sizes: dict[str, int] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets")
+        sizes[name] = offsets[1] - offsets[0]
+    return sizes
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The weight files: those the index names, else ``model*.safetensors`` (what mlx_lm loads),
+    else any ``*.safetensors``. Repositories that also ship ``consolidated.safetensors`` are
+    thereby not counted twice."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
+            raise ValueError(f"{index}: no weight_map of tensor names to file names")
+        return sorted({directory / name for name in weight_map.values()})
+    return sorted(directory.glob("model*.safetensors")) or sorted(directory.glob("*.safetensors"))
+
+
+def _is_vision_tensor(name: str) -> bool:
+    return not _VISION_TENSOR_PARTS.isdisjoint(name.split("."))
+
+
+# --------------------------------------------------------------------------------------------
+# Estimates
+# --------------------------------------------------------------------------------------------
+
+
+def _assemble(
+    config: dict[str, Any],
+    weights_bytes: int,
+    weights_source: str,
+    path: Path | None,
+    context_tokens: int | None,
+    vision: bool,
+) -> Estimate:
+    if context_tokens is None:
+        context_tokens = default_context_tokens(config)
+    if context_tokens < 1:
+        raise ValueError(f"context_tokens must be at least 1, not {context_tokens}")
+    kv_cache = _kv_cache_bytes(config, context_tokens)
+    activations = _activation_bytes(config, context_tokens)
+    overhead = RUNNER_BASE_BYTES + round(ALLOCATOR_SHARE_OF_WEIGHTS * weights_bytes)
+    vision_extra = (
+        VISION_BASE_BYTES + round(VISION_SHARE_OF_WEIGHTS * weights_bytes) if vision else 0
+    )
+    return Estimate(
+        weights_bytes=weights_bytes,
+        kv_cache_bytes=kv_cache,
+        activation_bytes=activations,
+        overhead_bytes=overhead,
+        vision_bytes=vision_extra,
+        total_bytes=weights_bytes + kv_cache + activations + overhead + vision_extra,
+        context_tokens=context_tokens,
+        vision=vision,
+        weights_source=weights_source,
+        path=None if path is None else str(path),
+    )
+
+
+def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimate:
+    """Estimate the model in directory ``path`` (or a single ``.gguf`` file).
+
+    Weights: the safetensors headers' byte counts (``weights_source`` "safetensors"), else the
+    size of the ``*.gguf`` files ("gguf"), else of all files in the directory ("disk"). KV cache
+    and activations come from ``config.json`` (for a ``.gguf`` file, the one beside it); without
+    one they are 0, since GGUF metadata is not parsed. A model is a vision model when its config
+    has ``vision_config`` or its safetensors hold vision-tower tensors.
+
+    Args:
+        path: the model directory or ``.gguf`` file.
+        context_tokens: tokens to plan the KV cache for; default ``default_context_tokens``.
+
+    Raises:
+        ValueError: a corrupt safetensors header, index or config.json (the message names the
+            file), a file that is not a model, or ``context_tokens`` < 1.
+        OSError: ``path`` does not exist, or a file cannot be read.
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: neither a model directory nor a .gguf file")
+        config = _read_config(path.parent)
+        vision = isinstance(config.get("vision_config"), dict)
+        return _assemble(config, path.stat().st_size, "gguf", path, context_tokens, vision)
+    if not path.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no model directory", str(path))
+
+    config = _read_config(path)
+    vision = isinstance(config.get("vision_config"), dict)
+    if files := _safetensors_files(path):
+        weights_bytes = 0
+        for file in files:
+            tensors = _safetensors_tensor_bytes(file)
+            weights_bytes += sum(tensors.values())
+            vision = vision or any(_is_vision_tensor(name) for name in tensors)
+        return _assemble(config, weights_bytes, "safetensors", path, context_tokens, vision)
+    if ggufs := sorted(path.glob("*.gguf")):
+        weights_bytes = sum(file.stat().st_size for file in ggufs)
+        return _assemble(config, weights_bytes, "gguf", path, context_tokens, vision)
+    weights_bytes = sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
+    return _assemble(config, weights_bytes, "disk", path, context_tokens, vision)
+
+
+def _hf_cached_snapshot(repo_id: str) -> Path | None:
+    """The complete snapshot of ``repo_id`` in the local Hugging Face cache, without network."""
+    try:
+        from huggingface_hub import snapshot_download  # lazy: only hub references need it
+    except ImportError:
+        return None
+    try:
+        folder = snapshot_download(
+            repo_id, local_files_only=True, allow_patterns=_HF_ALLOW_PATTERNS
+        )
+    except (OSError, ValueError):  # not cached, incomplete, or not a valid repo id
+        return None
+    return Path(folder)
+
+
+def local_model_path(model: str) -> Path | None:
+    """Where ``model`` already is on this machine, touching no network; None if it is not.
+
+    ``builtin:NAME``: its directory once built (None before, or for an unknown name); an
+    existing directory or ``.gguf`` file: itself; ``org/name``: its snapshot in the local
+    Hugging Face cache, if complete.
+    """
+    if model.startswith(BUILTIN_PREFIX):
+        # The recipe lives with the runner; importing it pulls in no mlx.
+        from runner.builtin import built_builtin_model_dir
+
+        try:
+            return built_builtin_model_dir(model)
+        except ValueError:  # unknown builtin: the load will say so
+            return None
+    candidate = Path(model).expanduser()
+    if candidate.is_dir() or (candidate.is_file() and candidate.suffix == ".gguf"):
+        return candidate.resolve()
+    if "/" in model and not candidate.is_absolute() and not model.startswith((".", "~")):
+        return _hf_cached_snapshot(model)
+    return None
+
+
+def estimate_reference(model: str, context_tokens: int | None = None) -> Estimate | None:
+    """Estimate ``model`` as a config names it (``builtin:NAME``, a path or a hub repo id).
+
+    A builtin model not built yet is estimated from its recipe (``weights_source`` "builtin",
+    no files written). Anything else must already be on this machine (see
+    ``local_model_path``); otherwise, or for an unknown builtin name, the answer is None and
+    the caller goes without an estimate.
+
+    Args:
+        model: the model reference.
+        context_tokens: tokens to plan the KV cache for; default ``default_context_tokens``.
+
+    Raises:
+        ValueError: corrupt model files (see ``estimate_model_dir``).
+        OSError: model files that cannot be read.
+    """
+    path = local_model_path(model)
+    if path is not None:
+        return estimate_model_dir(path, context_tokens)
+    if model.startswith(BUILTIN_PREFIX):
+        try:
+            config, weights_bytes = _builtin_recipe(model)
+        except ValueError:
+            return None
+        return _assemble(dict(config), weights_bytes, "builtin", None, context_tokens,
+                         vision=False)  # fmt: skip
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _builtin_recipe(model: str) -> tuple[dict[str, Any], int]:
+    """A builtin model's config and weight bytes from its recipe (cached: it
+    trains the tokenizer to learn the vocabulary size, a few tenths of a second)."""
+    from runner.builtin import builtin_config_and_weight_bytes
+
+    return builtin_config_and_weight_bytes(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def render_estimate(estimate: Estimate, model: str) -> str:
+    """The table ``mlx-supervisor estimate MODEL`` prints: one line per part, the total, and
+    where the weights figure comes from."""
+    rows = [
+        ("weights", estimate.weights_bytes),
+        (f"KV cache ({estimate.context_tokens} tokens)", estimate.kv_cache_bytes),
+        ("activations", estimate.activation_bytes),
+        ("runner overhead", estimate.overhead_bytes),
+    ]
+    if estimate.vision:
+        rows.append(("vision encoder", estimate.vision_bytes))
+    rows.append(("total", estimate.total_bytes))
+    label_width = max(len(label) for label, _ in rows)
+    sizes = [format_bytes(n) for _, n in rows]
+    size_width = max(len(size) for size in sizes)
+    kind = "vision model" if estimate.vision else "text model"
+    lines = [f"{model} ({kind})"]
+    for (label, _), size in zip(rows, sizes, strict=True):
+        lines.append(f"  {label:<{label_width}}  {size:>{size_width}}")
+    source = _SOURCE_TEXT.get(estimate.weights_source, estimate.weights_source)
+    lines.append(f"weights: {source}")
+    if estimate.path is not None:
+        lines.append(f"path: {estimate.path}")
+    return "\n".join(lines)
+
+
+def estimate_json(estimate: Estimate) -> dict[str, Any]:
+    """The estimate as a JSON object (``estimate --json``): every field of ``Estimate``."""
+    return msgspec.structs.asdict(estimate)

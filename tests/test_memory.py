@@ -1,0 +1,320 @@
+"""Memory safety in layers, end to end: real daemons, real runners, real memory.
+
+``memory_override_mb`` makes the daemon believe the machine is small. With
+``pressure_threshold_pct = 100`` and ``memory_headroom_bytes = 0`` what fits
+is plain arithmetic over the estimator's figures (which the tests compute
+with the same estimator), so each test chooses the sizes that make its case.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import DaemonFactory
+from ipc.messages import FAULTS_ENV, RunnerInfo
+from supervisor.client import Client, ClientError
+from supervisor.memory.estimate import Estimate, estimate_reference
+from supervisor.spawn import DaemonProcess
+
+MiB = 1 << 20
+PROMPT = "The quick brown fox"
+
+
+def estimate(model: str, context: int | None = None) -> Estimate:
+    found = estimate_reference(model, context)
+    assert found is not None
+    return found
+
+
+def context_for(model: str, target_bytes: int) -> int:
+    """The context (tokens) that makes ``model``'s estimate closest to, not above, target."""
+    low, high = 1, 10_000_000
+    while low < high:
+        mid = (low + high + 1) // 2
+        if estimate(model, mid).total_bytes <= target_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def memory_config(override_mb: int, extra: str = "") -> str:
+    return (
+        f"memory_override_mb = {override_mb}\n"
+        "pressure_threshold_pct = 100.0\n"
+        "memory_headroom_bytes = 0\n"
+        "memory_guard_bytes = 0\n"
+        "hot_spare = false\n"
+        "restart_backoff_s = 0.1\n" + extra
+    )
+
+
+def runner(client: Client, name: str) -> RunnerInfo | None:
+    return next((r for r in client.status().runners if r.name == name), None)
+
+
+def events_for(daemon: DaemonProcess, event: str, model: str) -> list[dict[str, object]]:
+    return [r for r in daemon.events(event) if r.get("model") == model]
+
+
+def test_admission_refuses_with_numbers_and_spawns_nothing(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon(memory_config(1000))
+    client = Client(daemon.socket_path)
+    with pytest.raises(ClientError) as refused:
+        client.load("builtin:small", context_tokens=200_000)
+    assert refused.value.code == "insufficient_memory"
+    message = refused.value.message
+    assert "needs" in message and "available" in message and "GiB" in message, message
+    assert "nothing idle to evict" in message
+    assert daemon.events("runner_spawned") == []
+    assert client.status().runners == []
+    assert client.status().counters.get("admission_refused") == 1
+
+
+def test_lru_idle_model_evicted_to_make_room_pinned_kept(start_daemon: DaemonFactory) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    total_mb = (3 * tiny + 400 * MiB) // MiB
+    daemon = start_daemon(memory_config(total_mb))
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "a", pinned=True)
+    client.load("builtin:tiny", "b")
+    client.generate_text("a", PROMPT, max_tokens=2)  # a used last: b is the LRU one ...
+    # ... but a is pinned anyway. Now a model that fits only once one tiny is gone.
+    target = total_mb * MiB - tiny - tiny // 2
+    context = context_for("builtin:small", target)
+    loaded = client.load("builtin:small", "big", context_tokens=context)
+    assert loaded.name == "big"
+    names = {r.name: r.state for r in client.status().runners}
+    assert names == {"a": "ready", "big": "ready"}, names
+    evicting = [r for r in daemon.events("model_evicting")]
+    assert [r["model"] for r in evicting] == ["b"]
+    assert "to make room for big" in str(evicting[0]["reason"])
+    assert client.status().counters.get("evicted") == 1
+    big = runner(client, "big")
+    assert big is not None and big.memory_budget_bytes is not None
+    assert big.estimate_bytes == estimate("builtin:small", context).total_bytes
+
+
+def test_busy_and_pinned_models_are_never_evicted(start_daemon: DaemonFactory) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    total_mb = (3 * tiny + 400 * MiB) // MiB
+    daemon = start_daemon(memory_config(total_mb))
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "pinned", pinned=True)
+    client.load("builtin:tiny", "busy")
+    context = context_for("builtin:small", total_mb * MiB - tiny - tiny // 2)
+    with client.generate("busy", PROMPT, max_tokens=400) as gen:
+        first = next(gen)  # it is streaming now
+        with pytest.raises(ClientError) as refused:
+            client.load("builtin:small", "big", context_tokens=context)
+        rest = "".join(gen)
+    assert refused.value.code == "insufficient_memory"
+    assert "nothing idle to evict" in refused.value.message
+    assert gen.done is not None and gen.done.finish_reason == "length", gen.done
+    assert first + rest
+    assert daemon.events("model_evicting") == []
+    assert {r.name for r in client.status().runners} == {"pinned", "busy"}
+
+
+def test_max_loaded_models_evicts_the_least_recently_used(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("max_loaded_models = 2\nhot_spare = false\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "a")
+    client.load("builtin:tiny", "b")
+    client.generate_text("a", PROMPT, max_tokens=2)  # b is now the least recently used
+    client.load("builtin:tiny", "c")
+    assert {r.name for r in client.status().runners} == {"a", "c"}
+    evicting = daemon.events("model_evicting")
+    assert [r["model"] for r in evicting] == ["b"]
+    assert "max_loaded_models" in str(evicting[0]["reason"])
+    unloaded = [r for r in daemon.events("model_unloaded") if r.get("model") == "b"]
+    assert unloaded and "evicted" in str(unloaded[0]["reason"])
+
+
+def test_keep_alive_unloads_an_idle_model_but_not_a_pinned_one(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("hot_spare = false\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "kept", keep_alive_s=0.5, pinned=True)
+    client.load("builtin:tiny", "expiring", keep_alive_s=0.5)
+    info = runner(client, "expiring")
+    assert info is not None and info.keep_alive_s == 0.5
+    daemon.wait_until(lambda: bool(events_for(daemon, "model_unloaded", "expiring")), 30)
+    reason = str(events_for(daemon, "model_unloaded", "expiring")[0]["reason"])
+    assert reason.startswith("expired"), reason
+    status = client.status()
+    assert [r.name for r in status.runners] == ["kept"]
+    assert status.counters.get("expired") == 1
+
+
+def test_keep_alive_counts_from_the_end_of_the_last_request(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("hot_spare = false\nkeep_alive_s = 1.5\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny")
+    for _ in range(3):  # in use for longer than its keep-alive, never idle that long
+        client.generate_text("tiny", PROMPT, max_tokens=60)
+    assert runner(client, "tiny") is not None
+    daemon.wait_until(lambda: bool(events_for(daemon, "model_unloaded", "tiny")), 30)
+
+
+def test_memory_gate_waits_for_an_unloaded_runner_before_the_next_spawn(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("hot_spare = false\nping_timeout_s = 1.0\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "first")
+    client.generate_text("first", PROMPT, max_tokens=4)
+    daemon.wait_until(lambda: (runner(client, "first") or RunnerInfo("", "", None, "ready",
+                                                                    None, None, 0, None)
+                               ).rss_bytes is not None)  # fmt: skip
+    client.unload("first")
+    client.load("builtin:tiny", "second")
+    gates = daemon.events("memory_gate_passed")
+    assert gates, "no memory gate between the unload and the next spawn"
+    assert gates[-1]["departed"] == ["first"]
+    assert int(str(gates[-1]["footprint_bytes"])) > 10 * MiB
+    spawned = [r for r in daemon.records() if r.get("event") in ("memory_gate_passed",
+                                                                 "runner_spawned")]  # fmt: skip
+    order = [(r["event"], r.get("model")) for r in spawned]
+    assert order.index(("memory_gate_passed", None)) < order.index(("runner_spawned", "second"))
+
+
+def test_load_guard_stops_a_load_that_eats_the_machine_without_a_restart_loop(
+    start_daemon: DaemonFactory,
+) -> None:
+    small = estimate("builtin:small", 256).total_bytes
+    total_mb = small // MiB + 200
+    guard = (total_mb - 250) * MiB  # the runner may hold ~250 MiB: small's weights are more
+    daemon = start_daemon(memory_config(total_mb).replace("memory_guard_bytes = 0",
+                                                          f"memory_guard_bytes = {guard}"))
+    client = Client(daemon.socket_path)
+    with pytest.raises(ClientError) as failed:
+        client.load("builtin:small", context_tokens=256)
+    assert failed.value.code == "load_failed"
+    assert "memory guard" in failed.value.message and "layer" in failed.value.message
+    assert len(daemon.events("runner_spawned")) == 1
+    died = daemon.events("runner_died")
+    assert died and died[0]["cause_class"] == "memory_guard", died
+    audits = daemon.events("exit_audit")
+    assert audits and audits[-1].get("cause_class") == "memory_guard"
+
+
+def test_generation_guard_ends_a_runaway_request_and_the_runner_stays_up(
+    start_daemon: DaemonFactory,
+) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    daemon = start_daemon(memory_config(4096))
+    client = Client(daemon.socket_path)
+    hog_mb = 2 * tiny // MiB + 64  # far over its budget (its estimate)
+    client.load("builtin:tiny", env={FAULTS_ENV: f"hog_at_token=20:{hog_mb}"})
+    before = runner(client, "tiny")
+    assert before is not None and before.memory_budget_bytes == tiny
+    _, done = client.generate_text("tiny", PROMPT, max_tokens=200)
+    assert done.finish_reason == "memory_pressure", done
+    assert done.detail and "budget" in done.detail, done.detail
+    assert 20 <= done.generation_tokens < 200
+    after = runner(client, "tiny")
+    assert after is not None and after.pid == before.pid and after.state == "ready"
+    _, again = client.generate_text("tiny", PROMPT, max_tokens=8)  # the hog is gone with it
+    assert again.finish_reason == "length"
+
+
+def test_requests_over_the_token_cap_are_clamped_and_told(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("hot_spare = false\nmax_tokens = 12\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny")
+    _, done = client.generate_text("tiny", PROMPT, max_tokens=500)
+    assert done.max_tokens_clamped_to == 12
+    assert done.generation_tokens <= 12
+    _, small = client.generate_text("tiny", PROMPT, max_tokens=5)
+    assert small.max_tokens_clamped_to is None
+
+
+def test_restart_after_a_death_goes_through_admission_and_fails_when_full(
+    start_daemon: DaemonFactory,
+) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    total_mb = (2 * tiny + 600 * MiB) // MiB
+    context = context_for("builtin:small", total_mb * MiB - tiny // 2)
+    daemon = start_daemon(
+        memory_config(total_mb).replace("restart_backoff_s = 0.1", "restart_backoff_s = 4.0")
+    )
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "victim", env={FAULTS_ENV: "crash_at_token=2:SIGSEGV"})
+    for _ in range(2):  # the first restart is at once; the second waits out the backoff
+        with pytest.raises(ClientError):
+            client.generate_text("victim", PROMPT, max_tokens=8)
+    info = runner(client, "victim")
+    assert info is not None and info.last_exit is not None
+    assert info.last_exit.cause_class == "segfault", info.last_exit
+    # While it waits out its backoff, a pinned model takes what it would need.
+    client.load("builtin:small", "hog", pinned=True, context_tokens=context)
+    daemon.wait_until(lambda: (runner(client, "victim") or info).state == "failed", 60)
+    failed = runner(client, "victim")
+    assert failed is not None and failed.failure is not None
+    assert "insufficient memory" in failed.failure, failed.failure
+    assert len(events_for(daemon, "runner_spawned", "victim")) == 2
+
+
+def test_status_shows_the_memory_picture(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon(memory_config(8192, "ping_timeout_s = 1.0\n"))
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny")
+    daemon.wait_until(lambda: (runner(client, "tiny") or RunnerInfo("", "", None, "ready", None,
+                                                                    None, 0, None)
+                               ).mlx_active_bytes is not None)  # fmt: skip
+    status = client.status()
+    system = status.system
+    assert system.memory_total_bytes == 8192 * MiB
+    assert system.override_mb == 8192
+    assert system.threshold_pct == 100.0
+    assert 0 <= system.memory_available_bytes <= system.memory_total_bytes
+    assert 0.0 <= system.pressure_pct <= 100.0
+    info = status.runners[0]
+    assert info.estimate_bytes == estimate("builtin:tiny").total_bytes
+    assert info.memory_budget_bytes == info.estimate_bytes
+    assert info.mlx_active_bytes is not None and info.mlx_active_bytes > 0
+    assert info.mlx_peak_bytes is not None and info.mlx_peak_bytes >= info.mlx_active_bytes
+
+
+def test_default_thresholds_follow_the_machine_size(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("hot_spare = false\n", env={"OVERRIDE_MEMORY_MB": str(40 * 1024)})
+    system = Client(daemon.socket_path).status().system
+    assert system.override_mb == 40 * 1024 and system.threshold_pct == 75.0
+
+
+def test_a_bad_override_stops_the_daemon_with_a_clear_error(tmp_path: object) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--socket", "/nonexistent/x.sock"],
+        env={**__import__("os").environ, "OVERRIDE_MEMORY_MB": "lots"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "OVERRIDE_MEMORY_MB" in result.stderr
+
+
+def test_concurrent_loads_do_not_both_take_the_same_memory(start_daemon: DaemonFactory) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    total_mb = (tiny + tiny // 2) // MiB + 1  # room for one tiny, not two
+    daemon = start_daemon(memory_config(total_mb))
+    results: dict[str, str] = {}
+
+    def load(name: str) -> None:
+        try:
+            Client(daemon.socket_path).load("builtin:tiny", name, pinned=True)
+            results[name] = "loaded"
+        except ClientError as exc:
+            results[name] = exc.code
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in ("x", "y")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results.values()) == ["insufficient_memory", "loaded"], results
