@@ -201,14 +201,14 @@ def test_failed_handshakes_and_loads_leak_no_fds_or_children(start_daemon: Daemo
         return proc.num_fds()
 
     fds_before, children_before = quiet_fds(), len(proc.children())
-    for i in range(50):
+    for i in range(30):
         with pytest.raises(ClientError, match="handshake"):
             client.load("builtin:tiny", f"h{i}", env=faults("exit_in_handshake"))
-    for i in range(45):
+    for i in range(25):
         with pytest.raises(ClientError) as excinfo:
             client.load("builtin:tiny", f"i{i}", env=faults("exit_at_import"))
         assert excinfo.value.code == "load_failed"
-    for i in range(5):  # the runner reports the failure itself (these import mlx: slower)
+    for i in range(3):  # the runner reports the failure itself (these import mlx: slower)
         with pytest.raises(ClientError, match="no model directory"):
             client.load(f"/nonexistent/model-{i}", f"l{i}")
     assert client.status().runners == []
