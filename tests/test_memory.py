@@ -185,14 +185,18 @@ def test_memory_gate_waits_for_an_unloaded_runner_before_the_next_spawn(
 def test_load_guard_stops_a_load_that_eats_the_machine_without_a_restart_loop(
     start_daemon: DaemonFactory,
 ) -> None:
+    # Admission keeps room for the estimate and the guard; a load that takes
+    # more than its estimate (here: a hog before the weights) is the guard's.
     small = estimate("builtin:small", 256).total_bytes
-    total_mb = small // MiB + 200
-    guard = (total_mb - 250) * MiB  # the runner may hold ~250 MiB: small's weights are more
-    daemon = start_daemon(memory_config(total_mb).replace("memory_guard_bytes = 0",
-                                                          f"memory_guard_bytes = {guard}"))
+    guard = 256 * MiB
+    total_mb = (small + guard) // MiB + 100
+    config = memory_config(total_mb).replace("memory_guard_bytes = 0",
+                                             f"memory_guard_bytes = {guard}")  # fmt: skip
+    daemon = start_daemon(config)
     client = Client(daemon.socket_path)
+    hog = {FAULTS_ENV: f"hog_at_load={small // MiB}"}
     with pytest.raises(ClientError) as failed:
-        client.load("builtin:small", context_tokens=256)
+        client.load("builtin:small", context_tokens=256, env=hog)
     assert failed.value.code == "load_failed"
     assert "memory guard" in failed.value.message and "layer" in failed.value.message
     assert len(daemon.events("runner_spawned")) == 1
@@ -200,6 +204,21 @@ def test_load_guard_stops_a_load_that_eats_the_machine_without_a_restart_loop(
     assert died and died[0]["cause_class"] == "memory_guard", died
     audits = daemon.events("exit_audit")
     assert audits and audits[-1].get("cause_class") == "memory_guard"
+    assert int(str(audits[-1]["active_bytes"])) >= small // 2  # measured before the drop
+
+
+def test_admission_keeps_room_for_the_guard(start_daemon: DaemonFactory) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    guard = 512 * MiB
+    total_mb = (tiny + guard) // MiB - 50  # the estimate fits, the estimate + guard does not
+    config = memory_config(total_mb).replace("memory_guard_bytes = 0",
+                                             f"memory_guard_bytes = {guard}")  # fmt: skip
+    daemon = start_daemon(config)
+    with pytest.raises(ClientError) as refused:
+        Client(daemon.socket_path).load("builtin:tiny")
+    assert refused.value.code == "insufficient_memory"
+    assert "must stay free for the guards" in refused.value.message
+    assert daemon.events("runner_spawned") == []
 
 
 def test_generation_guard_ends_a_runaway_request_and_the_runner_stays_up(

@@ -123,8 +123,9 @@ def run_generation(
                 ttft_s = time.perf_counter() - received
             faults.at_token(tokens)
             send(TextChunk(request.request_id, response.text, tokens))
-            if response.finish_reason is not None:
+            if response.finish_reason is not None:  # done anyway: no guard check to relabel it
                 finish = "stop" if response.finish_reason == "stop" else "length"
+                break
             detail = request_guard.at_token(tokens)
             if detail is not None:
                 finish = "memory_pressure"

@@ -384,11 +384,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         cause = f"{type(exc).__name__}: {exc}"
         log.exception("runner_crashed")
     finally:
-        runner.release()
         # Last words go out even if measuring fails; the figures are then the last ones.
+        # Measured before the model is dropped: what it held is what the audit is for.
         with contextlib.suppress(Exception):
             runner.guard.refresh()
         audit = runner.exit_audit(cause, cause_class)
+        runner.release()
         with contextlib.suppress(OSError):
             channel.send(audit)
     sys.stdout.flush()

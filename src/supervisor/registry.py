@@ -28,6 +28,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from ipc import ChannelClosed
 from ipc.messages import (
     FAULTS_ENV,
+    MEMORY_CAUSES,
     ErrorCode,
     ExitInfo,
     Generate,
@@ -56,7 +57,7 @@ from supervisor.memory.monitor import MemoryMonitor, override_mb
 from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
-from supervisor.spare import HotSpare
+from supervisor.spare import HotSpare, spare_fits
 from supervisor.system import process_rss
 from supervisor.waiting import wait_unless
 
@@ -134,9 +135,9 @@ class ModelEntry:
     progress_listeners: list[ProgressListener] = field(default_factory=list)
     keep_alive_s: float = 0.0  # idle this long: unloaded (0: never)
     estimate: Estimate | None = None
-    estimated: bool = False  # the estimator has been asked (its answer may be None)
     plan: MemoryPlan | None = None  # what admission granted the current runner
     admitted: bool = False  # from admission until that runner is gone
+    footprint_at_exit: int = 0  # what its last runner held when it died
     last_used: float = field(default_factory=time.monotonic)  # end of the last request
 
     @property
@@ -222,6 +223,8 @@ class ModelEntry:
                 why = self.failure or (self.last_exit.cause if self.last_exit else None)
                 detail = f": {why}" if why else ""
                 code: ErrorCode = "not_ready" if self.state == "stopping" else "runner_died"
+                if self.state == "failed" and self.load_error_code == "insufficient_memory":
+                    code = "insufficient_memory"
                 raise RequestError(code, f"{self.name} is {self.state}{detail}")
             await self.state_changed.wait()
 
@@ -510,23 +513,25 @@ class Registry:
 
     async def _supervise_runners(self, entry: ModelEntry) -> None:
         reason = "load"
+        floor_bytes = 0  # after a memory death: what the dead runner reached
         while True:
-            plans: list[MemoryPlan] = []
             try:  # an unload meanwhile cuts the wait for admission short
                 await wait_unless(
-                    entry.stop_requested, functools.partial(self._admit_into, plans, entry, reason)
+                    entry.stop_requested,
+                    functools.partial(self._admit, entry, reason, floor_bytes),
                 )
             except AdmissionRefused as refused:
                 self._refuse(entry, refused.message)
                 return
-            if entry.stop_requested.is_set() or not plans:
+            if entry.stop_requested.is_set() or not entry.admitted:
+                entry.admitted = False
                 return
-            entry.plan = plans[0]
-            entry.admitted = True
             try:
                 exit_info = await self._run_runner(entry)
             finally:
                 entry.admitted = False
+                if entry.handle is not None:
+                    entry.footprint_at_exit = entry.handle.footprint_bytes
             exit_info.cause_class = classify_exit(
                 exit_info,
                 requested=entry.stop_requested.is_set(),
@@ -541,6 +546,10 @@ class Registry:
                               cause_class=exit_info.cause_class)  # fmt: skip
             self.counters[f"deaths_{exit_info.cause_class}"] += 1
             reason = f"restart after {exit_info.cause_class}"
+            if exit_info.cause_class in MEMORY_CAUSES:  # never restart into the same wall
+                audit = exit_info.audit
+                reached = max(entry.footprint_at_exit, audit.peak_bytes if audit else 0)
+                floor_bytes = max(floor_bytes, reached)
             entry.move("crashed")
             if not entry.loaded.is_set():  # the first load failed: no restarts
                 if entry.keep_if_first_load_fails:
@@ -567,17 +576,15 @@ class Registry:
             self.counters["restarts"] += 1
             entry.move("starting")
 
-    async def _admit_into(self, plans: list[MemoryPlan], entry: ModelEntry, reason: str) -> None:
-        plans.append(await self._admit(entry, reason))
-
-    async def _admit(self, entry: ModelEntry, reason: str) -> MemoryPlan:
-        """Admission for the entry's next runner (estimating the model once).
+    async def _admit(self, entry: ModelEntry, reason: str, floor_bytes: int) -> None:
+        """Admission for the entry's next runner (estimating the model until an
+        estimate is found: a hub model is on disk only once a runner fetched it).
+        On success ``entry.plan`` is set and ``entry.admitted`` true.
 
         Raises:
             AdmissionRefused: it does not fit, even after evicting idle models.
         """
-        if not entry.estimated:
-            entry.estimated = True
+        if entry.estimate is None:
             try:
                 entry.estimate = await anyio.to_thread.run_sync(
                     estimate_reference, entry.spec.model, entry.spec.context_tokens
@@ -586,17 +593,26 @@ class Registry:
                 entry.log.warning("estimate_failed", error=str(exc))
             if entry.estimate is not None:
                 entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
-        spare = self.spare.current
-        spare_bytes = 0
-        if spare is not None and spare.alive and spare.warm.is_set():
-            spare_bytes = spare.measure_rss() or 0
-        return await self.admission.admit(
+
+        def spare_bytes() -> int:
+            spare = self.spare.current
+            if spare is None or not spare.alive or not spare.warm.is_set():
+                return 0
+            return (spare.measure_rss() or 0) if spare_fits(entry.spec) else 0
+
+        def grant(plan: MemoryPlan) -> None:  # under the admission lock
+            entry.plan = plan
+            entry.admitted = True
+
+        await self.admission.admit(
             entry.name,
             entry.estimate,
             reason=reason,
             others=lambda: [e for e in list(self.entries.values()) if e is not entry],
             evict=self._evict,
+            grant=grant,
             spare_bytes=spare_bytes,
+            floor_bytes=floor_bytes,
         )
 
     def _refuse(self, entry: ModelEntry, message: str) -> None:
@@ -605,10 +621,11 @@ class Registry:
         entry.log.error("admission_refused", reason=message)
         entry.load_error = message
         entry.load_error_code = "insufficient_memory"
+        entry.failure = f"insufficient memory: {message}"
+        entry.plan = None
+        if entry.state != "stopping":
+            entry.move("failed")  # wakes requests waiting for it
         if entry.loaded.is_set() or entry.keep_if_first_load_fails:
-            entry.failure = f"insufficient memory: {message}"
-            if entry.state != "stopping":
-                entry.move("failed")
             self.counters["failed"] += 1
 
     async def _evict(self, name: str, reason: str) -> None:
@@ -622,6 +639,7 @@ class Registry:
         model becoming ready, wakes it to recompute.
         """
         while True:
+            self._idle_changed = anyio.Event()  # before the scan: no change is missed
             now = time.monotonic()
             next_deadline = math.inf
             for entry in list(self.entries.values()):
@@ -629,19 +647,23 @@ class Registry:
                 if deadline is None:
                     continue
                 if deadline <= now:
-                    # Synchronous from the check to stop_requested: nothing gets in between.
-                    self.counters["expired"] += 1
-                    idle_s = round(now - entry.last_used, 1)
-                    self.task_group.start_soon(
-                        self._evict, entry.name, f"expired: idle {idle_s}s (keep_alive "
-                        f"{entry.keep_alive_s:g}s)", name=f"expire {entry.name}"
-                    )  # fmt: skip
-                    await anyio.sleep(0)
+                    self.task_group.start_soon(self._expire, entry, name=f"expire {entry.name}")
                 else:
                     next_deadline = min(next_deadline, deadline)
-            self._idle_changed = anyio.Event()
             with anyio.move_on_after(max(next_deadline - time.monotonic(), 0.0)):
                 await self._idle_changed.wait()
+
+    async def _expire(self, entry: ModelEntry) -> None:
+        """Unload ``entry`` if it is still expired: a request may have come first."""
+        now = time.monotonic()
+        deadline = entry.expires_at()
+        if deadline is None or deadline > now or self.entries.get(entry.name) is not entry:
+            return
+        # From the check to unload()'s stop_requested nothing yields: no request gets in.
+        self.counters["expired"] += 1
+        idle_s = round(now - entry.last_used, 1)
+        await self._evict(entry.name, f"expired: idle {idle_s}s (keep_alive "
+                                      f"{entry.keep_alive_s:g}s)")  # fmt: skip
 
     async def _run_runner(self, entry: ModelEntry) -> ExitInfo:
         """Start a runner for the entry, load the model, and wait for its end."""

@@ -18,7 +18,6 @@ in use (``committed_bytes``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 from collections import Counter
@@ -44,6 +43,10 @@ HEADROOM_FLOOR_BYTES = 256 * MiB
 # Metal: the GPU's recommended working set is about 3/4 of RAM on Apple silicon;
 # the sum of our runners' wired limits stays under it.
 METAL_WORKING_SET_FRACTION = 0.75
+# Memory has stopped coming back when two readings 250 ms apart differ by less
+# than this share of what departed (or the floor).
+SETTLED_SHARE = 0.02
+SETTLED_FLOOR_BYTES = 8 * MiB
 
 
 class AdmissionRefused(Exception):
@@ -130,16 +133,36 @@ class Admission:
         self.departures.append(Departure(name, footprint_bytes, latest.available_bytes,
                                          time.monotonic()))  # fmt: skip
 
-    async def gate(self, needed_bytes: int | None) -> MemorySnapshot:
-        """Wait until the memory of runners that just went is back (ADR-016 2b).
+    async def wait_returned(
+        self, room: Callable[[MemorySnapshot], bool], footprint_bytes: int
+    ) -> tuple[bool, MemorySnapshot]:
+        """Poll every 250 ms until ``room`` holds or memory stops coming back.
 
-        Polls every 250 ms until ``needed_bytes`` (the next model's estimate
-        plus headroom) fits; with no estimate, until what they held would fit
-        again (a comparison with the available memory before their death is
-        logged, not waited on: on Linux shared library pages in their RSS
-        stay cached, and a new spare may start meanwhile). For up to
-        ``memory_gate_timeout_s``; on timeout it logs a warning with the
-        numbers and goes on. Returns a fresh snapshot.
+        Freed memory reaches the OS late (wired Metal memory most of all) and
+        no event says when: this waits while available memory still grows by
+        more than :data:`SETTLED_SHARE` of ``footprint_bytes`` between two
+        readings, up to ``memory_gate_timeout_s``. Returns whether it ended
+        in time (room or settled), and the last snapshot.
+        """
+        previous: list[int] = []
+        settle_bytes = max(int(footprint_bytes * SETTLED_SHARE), SETTLED_FLOOR_BYTES)
+
+        def done(snapshot: MemorySnapshot) -> bool:
+            if room(snapshot):
+                return True
+            grew = snapshot.available_bytes - previous[-1] if previous else None
+            previous.append(snapshot.available_bytes)
+            return grew is not None and grew < settle_bytes
+
+        return await self.monitor.wait_for(done, timeout_s=self.config.memory_gate_timeout_s)
+
+    async def gate(self, room: Callable[[MemorySnapshot], bool] | None) -> MemorySnapshot:
+        """Wait for the memory of runners that just went (ADR-016 2b).
+
+        Until the next model fits (``room``), or the departed memory has
+        stopped coming back (see :meth:`wait_returned`); with no estimate,
+        until what they held would fit again. On timeout logs a warning with
+        the numbers and goes on. Returns a fresh snapshot.
         """
         timeout_s = self.config.memory_gate_timeout_s
         now = time.monotonic()
@@ -149,13 +172,10 @@ class Admission:
             return await self.monitor.sample_async()
         footprint = sum(d.footprint_bytes for d in pending)
         before = min(d.available_before for d in pending)
-        wanted = needed_bytes if needed_bytes is not None else footprint
-
-        def back(snapshot: MemorySnapshot) -> bool:
-            return snapshot.fits(wanted)
-
         started = time.monotonic()
-        met, snapshot = await self.monitor.wait_for(back, timeout_s=timeout_s)
+        met, snapshot = await self.wait_returned(
+            room or (lambda snapshot: snapshot.fits(footprint)), footprint
+        )
         returned = snapshot.available_bytes - before
         fields = {
             "departed": [d.name for d in pending],
@@ -182,17 +202,25 @@ class Admission:
         reason: str,
         others: Callable[[], Iterable[Candidate]],
         evict: Evict,
-        spare_bytes: int = 0,
-    ) -> MemoryPlan:
+        grant: Callable[[MemoryPlan], None],
+        spare_bytes: Callable[[], int] = lambda: 0,
+        floor_bytes: int = 0,
+    ) -> None:
         """Admit ``name`` (estimated at ``estimate``) or raise AdmissionRefused.
 
-        ``others()`` lists the other models; ``evict`` unloads one of them.
-        ``spare_bytes`` is what a warm spare this load will take already
-        holds (counted as used now, and part of the estimate's overhead).
-        ``reason`` (load, restart, restore) goes in the log.
+        ``others()`` lists the other models; ``evict`` unloads one of them;
+        ``grant`` receives the memory plan while the lock is still held, so
+        the next admission already counts it. ``spare_bytes()`` is what the
+        warm spare this load will take holds (already counted as used, and
+        part of the estimate). ``floor_bytes``: after a memory death, what
+        the dead runner reached; the restart must have room for at least
+        that. ``reason`` (load, restart, ...) goes in the log.
         """
         async with self.lock:
-            return await self._admit(name, estimate, reason, others, evict, spare_bytes)
+            plan = await self._admit(
+                name, estimate, reason, others, evict, spare_bytes(), floor_bytes
+            )
+            grant(plan)
 
     async def _admit(
         self,
@@ -202,14 +230,25 @@ class Admission:
         others: Callable[[], Iterable[Candidate]],
         evict: Evict,
         spare_bytes: int,
+        floor_bytes: int,
     ) -> MemoryPlan:
         evicted: list[str] = []
         snapshot = await self.monitor.sample_async()
         headroom = self.headroom_bytes(snapshot.total_bytes)
-        needed = None
-        if estimate is not None:
-            needed = max(estimate.total_bytes + headroom - spare_bytes, 0)
-        snapshot = await self.gate(needed)
+        guard = self.guard_bytes(snapshot)
+        needed: int | None = None
+        if estimate is not None or floor_bytes:
+            estimated = estimate.total_bytes if estimate is not None else 0
+            needed = max(estimated, floor_bytes) + headroom
+
+        def room(snapshot: MemorySnapshot) -> bool:
+            # The spare's RSS is counted as used and is part of the estimate too.
+            assert needed is not None
+            less = self._less_committed(snapshot, others())
+            wanted = max(needed - spare_bytes, 0)
+            return less.fits(wanted) and less.available_bytes - wanted >= guard
+
+        snapshot = await self.gate(room if needed is not None else None)
 
         cap = self.config.max_loaded_models
         while cap and sum(1 for o in others() if o.holds_runner) >= cap:
@@ -220,45 +259,55 @@ class Admission:
                     f"{name}: max_loaded_models={cap} reached and no idle model can be "
                     "unloaded (the others are pinned, busy or loading)"
                 )
+            footprint = victim.footprint_bytes
             await self._evict(victim, name, "max_loaded_models", evict, evicted)
-            snapshot = await self.monitor.sample_async()
+            _, snapshot = await self.wait_returned(room if needed else lambda s: False,
+                                                   footprint)  # fmt: skip
 
-        snapshot = self._less_committed(snapshot, others())
         total = snapshot.total_bytes
-        if estimate is None:
+        if needed is None:
             log.warning("admission_without_estimate", model=name, reason=reason,
                         note="model not on this machine yet: no size to check")  # fmt: skip
-            return self._plan(snapshot, None, others(), spare_bytes)
-        if estimate.vision and estimate.total_bytes > VISION_LIMIT_FRACTION * total:
+            return self._plan(snapshot, None, others(), spare_bytes, guard)
+        if estimate is not None and estimate.vision and (
+            estimate.total_bytes > VISION_LIMIT_FRACTION * total
+        ):
             self.counters["admission_refused"] += 1
             raise AdmissionRefused(
                 f"{name} is a vision model needing {format_bytes(estimate.total_bytes)}, "
                 f"more than {VISION_LIMIT_FRACTION:.0%} of this machine's "
                 f"{format_bytes(total)}: vision encoders crash with Metal OOM there (ADR-016)"
             )
-        if estimate.total_bytes > LARGE_MODEL_FRACTION * total:
-            log.warning("model_exceeds_70pct", model=name, estimate_bytes=estimate.total_bytes,
+        if needed - headroom > LARGE_MODEL_FRACTION * total:
+            log.warning("model_exceeds_70pct", model=name, estimate_bytes=needed - headroom,
                         total_bytes=total, note="expect swapping and extreme slowness")  # fmt: skip
-        assert needed is not None
-        while not snapshot.fits(needed):
+        while not room(snapshot):
             victim = self._victim(others())
             if victim is None:
                 self.counters["admission_refused"] += 1
+                less = self._less_committed(snapshot, others())
+                committed = self.committed_bytes(others())
                 gone = f"; evicted {', '.join(evicted)}" if evicted else "; nothing idle to evict"
+                basis = (
+                    f"estimate {format_bytes(estimate.total_bytes)}" if estimate is not None
+                    else "no estimate"
+                )  # fmt: skip
+                if floor_bytes:
+                    basis += f", at least the {format_bytes(floor_bytes)} its last runner reached"
                 raise AdmissionRefused(
-                    f"{name} needs {format_bytes(needed)} (estimate "
-                    f"{format_bytes(estimate.total_bytes)} + headroom {format_bytes(headroom)}) "
-                    f"but {snapshot.describe()}{gone}"
-                )
+                    f"{name} needs {format_bytes(needed)} ({basis}; + headroom "
+                    f"{format_bytes(headroom)}), and {format_bytes(guard)} must stay free for "
+                    f"the guards, but {less.describe()}"
+                    + (f" after {format_bytes(committed)} granted to loaded models" if committed
+                       else "")
+                    + gone
+                )  # fmt: skip
+            footprint = victim.footprint_bytes
             await self._evict(victim, name, "memory", evict, evicted)
-            _, snapshot = await self.monitor.wait_for(
-                functools.partial(self._fits_less_committed, needed, others),
-                timeout_s=self.config.memory_gate_timeout_s,
-            )
-            snapshot = self._less_committed(snapshot, others())
+            _, snapshot = await self.wait_returned(room, footprint)
         log.info("admitted", model=name, reason=reason, needed_bytes=needed,
                  available_bytes=snapshot.available_bytes, evicted=evicted)  # fmt: skip
-        return self._plan(snapshot, needed, others(), spare_bytes)
+        return self._plan(snapshot, needed, others(), spare_bytes, guard)
 
     @staticmethod
     def committed_bytes(others: Iterable[Candidate]) -> int:
@@ -266,11 +315,6 @@ class Admission:
         return sum(
             max((o.budget_bytes or 0) - o.footprint_bytes, 0) for o in others if o.holds_runner
         )
-
-    def _fits_less_committed(
-        self, needed: int, others: Callable[[], Iterable[Candidate]], snapshot: MemorySnapshot
-    ) -> bool:
-        return self._less_committed(snapshot, others()).fits(needed)
 
     def _less_committed(
         self, snapshot: MemorySnapshot, others: Iterable[Candidate]
@@ -303,8 +347,9 @@ class Admission:
         needed: int | None,
         others: Iterable[Candidate],
         spare_bytes: int,
+        guard: int,
     ) -> MemoryPlan:
-        budget = None if needed is None else min(needed, max(snapshot.available_bytes, 0))
+        budget = needed  # what it was admitted with: estimate (or floor) + headroom
         wired = None
         if sys.platform == "darwin":
             working_set = int(snapshot.real_total_bytes * METAL_WORKING_SET_FRACTION)
@@ -321,7 +366,7 @@ class Admission:
                 else 0
             ),
             budget_bytes=budget,
-            guard_bytes=self.guard_bytes(snapshot),
+            guard_bytes=guard,
             threshold_pct=snapshot.threshold_pct,
             wired_limit_bytes=wired,
         )

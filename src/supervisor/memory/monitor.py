@@ -182,6 +182,10 @@ def default_threshold_pct(total_bytes: int) -> float:
     return 85.0
 
 
+MIN_OVERRIDE_MB = 64  # the config key's range (supervisor.config)
+MAX_OVERRIDE_MB = 1 << 30
+
+
 def override_mb(config_value: int | None, environ: Mapping[str, str] = os.environ) -> int | None:
     """The memory override in MB (MiB), or None for the real machine.
 
@@ -197,8 +201,11 @@ def override_mb(config_value: int | None, environ: Mapping[str, str] = os.enviro
             value = int(raw)
         except ValueError:
             value = 0
-        if value <= 0:
-            raise ValueError(f"{OVERRIDE_ENV}={raw!r} is not a positive integer number of MB")
+        if not MIN_OVERRIDE_MB <= value <= MAX_OVERRIDE_MB:
+            raise ValueError(
+                f"{OVERRIDE_ENV}={raw!r} is out of range: {MIN_OVERRIDE_MB} to "
+                f"{MAX_OVERRIDE_MB} MB, as for memory_override_mb"
+            )
         return value
     if config_value is not None and config_value <= 0:
         raise ValueError(f"memory_override_mb = {config_value} is not a positive number of MB")
