@@ -2,7 +2,8 @@
 
 Usage::
 
-    python bench/bench_daemon.py [--model builtin:small] [--quick] [--out bench/results/daemon.json]
+    python bench/bench_daemon.py [--model builtin:small] [--quick] [--per-token-only]
+                                 [--out bench/results/daemon.json]
 
 One run starts a private daemon (on a socket in a temp dir) and a plain python
 worker (``bench/inproc_worker.py``) and measures, alternating between the two
@@ -12,7 +13,10 @@ sides and never running both models at once:
 2. time to first token through the daemon - in-process (the two IPC hops);
 3. load-to-ready through the daemon / a fresh ``python -c "mlx_lm.load(...)"``;
 4. the share of memory given back to the system when a model is unloaded,
-   beside ``del model; gc.collect(); mx.clear_cache()`` in a python process.
+   beside ``del model; gc.collect(); mx.clear_cache()`` in a python process;
+5. per-token, as a user sees it: the rate of ``mlx-supervisor generate --json``
+   streaming from the daemon, read from its stdout, / ``stream_generate`` in a fresh
+   python process, on builtin:tiny (``--per-token-only`` runs this one alone).
 
 The machine is shared and noisy, so every figure is a ratio or a difference of
 things measured in this same run. It prints a table and writes the JSON
@@ -25,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,28 +37,53 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from importlib import metadata
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-import supervisor
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    BENCH_DIR,
+    RESULTS_DIR,
+    Daemon,
+    alternate,
+    children_left,
+    cpu_s,
+    cpu_time,
+    fmt,
+    load_average,
+    machine_info,
+    median,
+    mib,
+    mlx_device,
+    ms,
+    note,
+    percentile,
+    percentiles,
+    render_table,
+    run_alternating,
+    runner_info,
+    signed_ms,
+    verdict,
+    write_json,
+)
 from runner.builtin import ensure_builtin_model, is_builtin
 from supervisor.client import Client
-from supervisor.config import SupervisorConfig
-from supervisor.spawn import DaemonProcess
 
-BENCH_DIR = Path(__file__).resolve().parent
 WORKER_SCRIPT = BENCH_DIR / "inproc_worker.py"
-DEFAULT_OUT = BENCH_DIR / "results" / "daemon.json"
+DEFAULT_OUT = RESULTS_DIR / "daemon.json"
 
 IPC_MODEL = "builtin:tiny"  # ~1 MB: its compute is tiny, so the IPC overhead stands out
+PER_TOKEN_MODEL = IPC_MODEL  # ~1-3 ms a token on CPU: what the daemon adds per token shows
 DECODE_PROMPT = "The supervisor starts one runner process for every model it serves."
 TTFT_PROMPT = "Hello"
 
 # Targets (see the brief in bench/README.md).
 DECODE_RATIO_TARGET = 0.97
+PER_TOKEN_RATIO_TARGET = 0.97
 TTFT_P50_TARGET_S = 0.002
 MEMORY_SHARE_TARGET = 0.99
 
@@ -81,13 +109,18 @@ class Settings:
     memory_tokens: int = 4
     warmup_tokens: int = 4
     ttft_warmup: int = 3
+    per_token_rounds: int = 5  # a fresh worker and a fresh runner each
+    per_token_tokens: int = 512  # ~0.5-1 s of decode on builtin:tiny
+    per_token_only: bool = False
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     model = args.model or ("builtin:tiny" if args.quick else "builtin:small")
     ipc_model = None if model == IPC_MODEL else IPC_MODEL
     if args.quick:
-        base = Settings(model, 128, 2, 2, 30, ipc_model, 128, 30, 2, 1, quick=True)
+        base = Settings(
+            model, 128, 2, 2, 30, ipc_model, 128, 30, 2, 1, quick=True, per_token_rounds=2
+        )
     else:
         base = Settings(model, 32, 3, 3, 15, ipc_model, 128, 200, 5, 5)
     overrides = {
@@ -98,28 +131,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "load_rounds": args.load_rounds,
         "memory_rounds": args.memory_rounds,
         "ttft_tokens": args.ttft_tokens,
+        "per_token_rounds": args.per_token_rounds,
+        "per_token_tokens": args.per_token_tokens,
     }
     fields = {**asdict(base), **{k: v for k, v in overrides.items() if v is not None}}
-    return Settings(**fields)
+    return Settings(**{**fields, "per_token_only": args.per_token_only})
 
 
-# --- small helpers -----------------------------------------------------------
-
-
-def note(message: str) -> None:
-    """Progress, on stderr (stdout is for the table)."""
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of nothing")
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+# --- models and memory readings ------------------------------------------------
 
 
 def model_path(model: str) -> Path:
@@ -134,6 +153,19 @@ def model_path(model: str) -> Path:
 
 def short(model: str) -> str:
     return model.removeprefix("builtin:") if is_builtin(model) else Path(model).name
+
+
+def model_info(model: str, path: Path) -> dict[str, Any]:
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    return {
+        "model": model,
+        "path": str(path),
+        "dtype": config.get("torch_dtype"),
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "weights_bytes": weights,
+    }
 
 
 _ZONEINFO = Path("/proc/zoneinfo")
@@ -275,67 +307,6 @@ def worker(log_path: Path) -> Iterator[Worker]:
         w.close()
 
 
-# --- the daemon side ---------------------------------------------------------
-
-
-def spare_supported() -> bool:
-    """Whether this daemon keeps a hot spare (a pre-started runner) by default."""
-    return bool(getattr(SupervisorConfig(), "hot_spare", False))
-
-
-@dataclass
-class Daemon:
-    """A private daemon started for this run, and what to wait for before measuring."""
-
-    process: DaemonProcess
-    client: Client
-    keeps_spare: bool
-
-    @classmethod
-    def start(cls, stack: contextlib.ExitStack, tmp: Path, label: str, config: str) -> Daemon:
-        """Start ``mlx-supervisor serve`` with ``config`` (TOML text) on a socket in ``tmp``.
-
-        An explicit config file, even an empty one, keeps a user's own config out.
-        """
-        config_path = tmp / f"{label}.toml"
-        config_path.write_text(config, encoding="utf-8")
-        # No log file: its writes would be one more thing running in this (client) process.
-        process = DaemonProcess(tmp / f"{label}.sock", config_path=config_path)
-        stack.enter_context(process)  # on the way out: SIGTERM (graceful), else SIGKILL
-
-        def show_log_on_error(exc_type: type[BaseException] | None, *_: object) -> bool:
-            if exc_type is not None:
-                tail = "\n".join(list(process.log_lines)[-20:])
-                note(f"the {label} daemon's last log lines:\n{tail}")
-            return False
-
-        stack.push(show_log_on_error)
-        keeps_spare = spare_supported() and "hot_spare = false" not in config
-        return cls(process, Client(process.socket_path), keeps_spare)
-
-    def settle(self, timeout_s: float = 120.0) -> float:
-        """Wait until no runner is starting or loading and the hot spare (if the daemon
-        keeps one) has finished importing mlx, so that nothing of the daemon's runs
-        during the next measurement. Returns how long it took.
-
-        The client has no event to wait on, so this reads ``status`` every 20 ms.
-        """
-        started = time.perf_counter()
-        while True:
-            status = self.client.status()
-            spare = getattr(status, "spare", None)
-            spare_ok = not self.keeps_spare or (spare is not None and spare.warm)
-            if spare_ok and all(r.state == "ready" for r in status.runners):
-                return time.perf_counter() - started
-            if time.perf_counter() - started > timeout_s:
-                raise RuntimeError(f"daemon not settled after {timeout_s} s: {status}")
-            time.sleep(0.02)
-
-    def shutdown(self) -> dict[str, Any]:
-        ack = self.client.shutdown()
-        return {"code": self.process.wait(), "runners_at_shutdown": ack.runners}
-
-
 # --- one generation on each side ---------------------------------------------
 
 
@@ -387,31 +358,12 @@ def daemon_generate(client: Client, name: str, prompt: str, max_tokens: int) -> 
 Side = Callable[[], dict[str, Any]]
 
 
-def pair(index: int, run_inproc: Side, run_daemon: Side) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One generation on each side, one after the other: (in-process, daemon).
-
-    Even rounds run the in-process side first, odd rounds the daemon first, so that
-    neither side always follows the other (or a drift of the machine's load).
-    """
-    if index % 2 == 0:
-        inproc = run_inproc()
-        return inproc, run_daemon()
-    daemon = run_daemon()
-    return run_inproc(), daemon
-
-
 def stream_tps(run: dict[str, Any]) -> float:
     """Decode rate seen by the consumer: tokens after the first / first -> end."""
     return float((run["frames"] - 1) / run["stream_s"])
 
 
 # --- figure 1: decode tokens/s -----------------------------------------------
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
 
 
 def with_cpu(run: Side, pids: dict[str, int]) -> dict[str, Any]:
@@ -452,7 +404,7 @@ def bench_decode(
                 d.settle()
                 inproc_generate(w, name, DECODE_PROMPT, warmup_tokens)
                 daemon_generate(client, name, DECODE_PROMPT, warmup_tokens)
-                runner_pid = next(r.pid for r in client.status().runners if r.name == name)
+                runner_pid = runner_info(client, name).pid
                 assert runner_pid is not None
                 pids = {"daemon": d.process.pid, "runner": runner_pid}
                 for _ in range(rounds):
@@ -466,7 +418,7 @@ def bench_decode(
     )
 
     def med(key: str, items: list[dict[str, Any]] = samples) -> float:
-        return float(statistics.median(s[key] for s in items))
+        return median(s[key] for s in items)
 
     return {
         "model": model,
@@ -488,7 +440,7 @@ def bench_decode(
         "median_inproc_reported_tps": med("inproc_reported_tps"),
         "median_daemon_reported_tps": med("daemon_reported_tps"),
         "median_cpu_per_token_s": {
-            who: float(statistics.median(s["cpu_per_token_s"][who] for s in samples))
+            who: median(s["cpu_per_token_s"][who] for s in samples)
             for who in ("worker", "runner", "daemon", "client")
         },
         "tokens_equal": tokens_equal,
@@ -507,7 +459,7 @@ def decode_round(
     max_tokens: int,
     pids: dict[str, int],
 ) -> dict[str, Any]:
-    inproc, daemon = pair(
+    inproc, daemon = run_alternating(
         index,
         lambda: with_cpu(
             lambda: inproc_generate(w, name, DECODE_PROMPT, max_tokens), {"worker": w.pid}
@@ -518,7 +470,7 @@ def decode_round(
     sample = {
         "round": index,
         "epoch": epoch,
-        "first": "in-process" if index % 2 == 0 else "daemon",
+        "first": alternate(index, "in-process", "daemon")[0],
         "inproc_tps": stream_tps(inproc),
         "daemon_tps": stream_tps(daemon),
         "inproc_reported_tps": inproc["reported_tps"],
@@ -557,7 +509,7 @@ def bench_ttft(
     name = short(model)
     rows = []
     for index in range(warmup + pairs):
-        inproc, daemon = pair(
+        inproc, daemon = run_alternating(
             index,
             lambda: inproc_generate(w, name, TTFT_PROMPT, max_tokens),
             lambda: daemon_generate(client, name, TTFT_PROMPT, max_tokens),
@@ -579,12 +531,7 @@ def bench_ttft(
         return [r[key] - r["inproc_s"] for r in rows]
 
     def summary(values: list[float]) -> dict[str, float]:
-        return {
-            "p25": percentile(values, 25),
-            "p50": percentile(values, 50),
-            "p75": percentile(values, 75),
-            "p99": percentile(values, 99),
-        }
+        return percentiles(values, (25, 50, 75, 99))
 
     inproc_s, daemon_s = column("inproc_s"), column("daemon_s")
     result: dict[str, Any] = {
@@ -680,12 +627,9 @@ def bench_load(daemons: dict[str, Daemon], model: str, path: Path, rounds: int) 
         took = ", ".join(f"{v} {sample[v]['load_s']:.2f} s" for v in daemons)
         note(f"  load round {index}/{rounds}: baseline {base['wall_s']:.2f} s, {took}")
 
-    def med(values: list[float]) -> float:
-        return float(statistics.median(values))
-
     variants = {
         variant: {
-            key: med([s[variant][key] for s in samples])
+            key: median(s[variant][key] for s in samples)
             for key in ("load_s", "ratio", "ratio_vs_ready", "runner_load_s", "unload_s")
         }
         for variant in daemons
@@ -693,8 +637,8 @@ def bench_load(daemons: dict[str, Daemon], model: str, path: Path, rounds: int) 
     return {
         "model": model,
         "rounds": rounds,
-        "median_baseline_wall_s": med([s["baseline_wall_s"] for s in samples]),
-        "median_baseline_ready_s": med([s["baseline_ready_s"] for s in samples]),
+        "median_baseline_wall_s": median(s["baseline_wall_s"] for s in samples),
+        "median_baseline_ready_s": median(s["baseline_ready_s"] for s in samples),
         "daemons": {v: {f"median_{k}": x for k, x in m.items()} for v, m in variants.items()},
         "samples": samples,
     }
@@ -876,9 +820,9 @@ def bench_memory(
         meter_rounds.append(memory_round_meter(max(grown, 1 << 20)))
         note(
             f"  memory round {index + 1}/{rounds}: share returned daemon "
-            f"{_fmt(daemon_rounds[-1]['share'], '.3f')}, in-process "
-            f"{_fmt(inproc_rounds[-1]['share'], '.3f')}, numpy meter check "
-            f"{_fmt(meter_rounds[-1]['share'], '.3f')}"
+            f"{fmt(daemon_rounds[-1]['share'], '.3f')}, in-process "
+            f"{fmt(inproc_rounds[-1]['share'], '.3f')}, numpy meter check "
+            f"{fmt(meter_rounds[-1]['share'], '.3f')}"
         )
 
     def med(items: list[dict[str, Any]], key: str) -> float | None:
@@ -911,70 +855,156 @@ def bench_memory(
         # a numpy block the size the worker grew by, allocated and freed in a child
         "meter": {
             **summary(meter_rounds),
-            "median_taken_of_size": float(
-                statistics.median(r["taken"] / r["size"] for r in meter_rounds)
-            ),
+            "median_taken_of_size": median(r["taken"] / r["size"] for r in meter_rounds),
             "rounds": meter_rounds,
         },
     }
 
 
-# --- machine info ------------------------------------------------------------
+# --- figure 5: per-token cost, as a user sees it ------------------------------
 
 
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def cli_argv() -> list[str]:
+    """The command a user runs: the ``mlx-supervisor`` script installed beside this
+    python, else ``python -m supervisor`` (the same entry point)."""
+    script = Path(sys.executable).with_name("mlx-supervisor")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "supervisor"]
 
 
-def git_state() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        done = subprocess.run(
-            ["git", *args], cwd=BENCH_DIR.parent, capture_output=True, text=True, check=False
+def cli_generate(
+    socket_path: Path, name: str, prompt: str, max_tokens: int, log_path: Path
+) -> dict[str, Any]:
+    """``mlx-supervisor generate NAME PROMPT --max-tokens N --json`` against the daemon on
+    ``socket_path``, its stdout read here as it streams.
+
+    The CLI writes (and flushes) each piece of text as it arrives, then, after ``done``,
+    a newline and a JSON summary line (flushed as it exits). The time of every read is
+    taken here, so the figure sees what a terminal would: the first byte, the last byte
+    of the text (the last token) and the last byte of all (the summary).
+
+    Raises:
+        RuntimeError: the CLI failed or printed no text.
+    """
+    argv = [*cli_argv(), "generate", name, prompt, "--max-tokens", str(max_tokens), "--json",
+            "--socket", str(socket_path)]  # fmt: skip
+    reads: list[tuple[float, int]] = []  # (when, bytes read so far)
+    chunks: list[bytes] = []
+    with log_path.open("ab") as log:
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log
         )
-        return done.stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "src")
+        assert process.stdout is not None
+        size = 0
+        with process.stdout as stdout:
+            while chunk := os.read(stdout.fileno(), 1 << 16):
+                now = time.perf_counter()
+                size += len(chunk)
+                reads.append((now, size))
+                chunks.append(chunk)
+        end_of_output = time.perf_counter()
+        code = process.wait()
+        reaped = time.perf_counter()
+    output = b"".join(chunks)
+    body, _, summary_line = output.rstrip(b"\n").rpartition(b"\n")
+    if code != 0 or not body:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+        printed = output[-200:]
+        raise RuntimeError(f"{' '.join(argv)} exited with {code}, printed {printed!r}:\n{tail}")
+    summary = json.loads(summary_line)
+    first = reads[0][0]
+    last_text = next(when for when, size in reads if size >= len(body))
+    last = reads[-1][0]
+    tokens = int(summary["generation_tokens"])
     return {
-        "commit": git("rev-parse", "HEAD"),
-        "src_dirty_files": len(dirty.splitlines()),
-        # where the daemon's code came from (PYTHONPATH can point elsewhere than this tree)
-        "supervisor_package": str(Path(supervisor.__file__).parent),
+        "generation_tokens": tokens,
+        "finish_reason": summary["finish_reason"],
+        "text": body.decode("utf-8", errors="replace"),
+        "reads": len(reads),
+        "tps": (tokens - 1) / (last - first),
+        "text_tps": (tokens - 1) / (last_text - first),
+        "first_byte_s": first - started,  # python starts, imports, connects; prefill
+        "summary_after_text_s": last - last_text,
+        "exit_after_output_s": reaped - end_of_output,
+        "summary": summary,
     }
 
 
-def machine_info(hello: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "memory_total_bytes": int(psutil.virtual_memory().total),
-        "python": sys.version.split()[0],
-        "python_executable": sys.executable,
-        "mlx": metadata.version("mlx"),
-        "mlx_lm": metadata.version("mlx-lm"),
-        "mlx_device": hello["device"],
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "loadavg_start": list(os.getloadavg()),
-        "git": git_state(),
-    }
+def bench_per_token(
+    d: Daemon, path: Path, rounds: int, max_tokens: int, warmup_tokens: int, tmp: Path
+) -> dict[str, Any]:
+    """Per round, on builtin:tiny (alternating which side goes first): the CLI's
+    ``generate --json`` streaming from the daemon, and ``stream_generate`` in a fresh
+    ``inproc_worker.py``. Both sides are fresh processes every round (a new runner
+    through the daemon, a new worker), since a process keeps its own decode speed for
+    its lifetime; each serves a ``warmup_tokens`` generation first, untimed.
+    """
+    model, name, client = PER_TOKEN_MODEL, short(PER_TOKEN_MODEL), d.client
 
+    def run_daemon(index: int) -> dict[str, Any]:
+        client.load(model, name)
+        try:
+            d.settle()
+            daemon_generate(client, name, DECODE_PROMPT, warmup_tokens)
+            log_path = tmp / f"per-token-cli-{index}.log"
+            return cli_generate(d.process.socket_path, name, DECODE_PROMPT, max_tokens, log_path)
+        finally:
+            client.unload(name)
 
-def model_info(model: str, path: Path) -> dict[str, Any]:
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    def run_inproc(index: int) -> dict[str, Any]:
+        with worker(tmp / f"per-token-worker-{index}.log") as w:
+            w.request("load", key=name, path=str(path))
+            inproc_generate(w, name, DECODE_PROMPT, warmup_tokens)
+            d.settle()
+            return inproc_generate(w, name, DECODE_PROMPT, max_tokens)
+
+    samples: list[dict[str, Any]] = []
+    for index in range(rounds):
+        inproc, cli = run_alternating(index, partial(run_inproc, index), partial(run_daemon, index))
+        sample = {
+            "round": index,
+            "first": alternate(index, "in-process", "daemon")[0],
+            "inproc_tps": stream_tps(inproc),
+            "daemon_tps": cli["tps"],
+            "daemon_text_tps": cli["text_tps"],
+            "inproc_tokens": inproc["generation_tokens"],
+            "daemon_tokens": cli["generation_tokens"],
+            "inproc_finish": inproc["finish_reason"],
+            "daemon_finish": cli["finish_reason"],
+            "same_text": inproc["text"] == cli["text"],
+            **{k: cli[k] for k in ("reads", "first_byte_s", "summary_after_text_s",
+                                   "exit_after_output_s")},
+        }  # fmt: skip
+        sample["ratio"] = sample["daemon_tps"] / sample["inproc_tps"]
+        sample["text_ratio"] = sample["daemon_text_tps"] / sample["inproc_tps"]
+        samples.append(sample)
+        note(
+            f"  per-token round {index + 1}/{rounds}: in-process {sample['inproc_tps']:.1f} "
+            f"tok/s, CLI {sample['daemon_tps']:.1f} tok/s, ratio {sample['ratio']:.3f}"
+        )
+
+    def med(key: str) -> float:
+        return median(s[key] for s in samples)
+
     return {
         "model": model,
-        "path": str(path),
-        "dtype": config.get("torch_dtype"),
-        "layers": config.get("num_hidden_layers"),
-        "hidden_size": config.get("hidden_size"),
-        "weights_bytes": weights,
-    }
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "prompt": DECODE_PROMPT,
+        "cli": [*cli_argv(), "generate", name, "PROMPT", "--max-tokens", str(max_tokens),
+                "--json", "--socket", "SOCKET"],
+        "median_ratio": med("ratio"),
+        "median_text_ratio": med("text_ratio"),
+        "ratios": [s["ratio"] for s in samples],
+        "median_daemon_tps": med("daemon_tps"),
+        "median_daemon_text_tps": med("daemon_text_tps"),
+        "median_inproc_tps": med("inproc_tps"),
+        "median_summary_after_text_s": med("summary_after_text_s"),
+        "tokens_equal": all(s["inproc_tokens"] == s["daemon_tokens"] for s in samples),
+        "ran_to_max_tokens": all(s["inproc_tokens"] == max_tokens for s in samples),
+        "same_text": all(s["same_text"] for s in samples),
+        "samples": samples,
+    }  # fmt: skip
 
 
 # --- the run -----------------------------------------------------------------
@@ -984,11 +1014,11 @@ def run(settings: Settings) -> dict[str, Any]:
     started = time.perf_counter()
     at_start = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "loadavg_start": list(os.getloadavg()),
+        "loadavg_start": load_average(),
     }
     s = settings
     model, ipc_model = s.model, s.ipc_model
-    models = [model] + ([ipc_model] if ipc_model else [])
+    models = [model] + ([ipc_model] if ipc_model else [])  # PER_TOKEN_MODEL is one of them
     paths = {m: model_path(m) for m in models}
     results: dict[str, Any] = {"settings": asdict(s)}
     with (
@@ -997,89 +1027,84 @@ def run(settings: Settings) -> dict[str, Any]:
     ):
         tmp = Path(tmp_name)
         daemon = Daemon.start(stack, tmp, "daemon", "# defaults\n")
-        client = daemon.client
         results["daemon"] = {"pid": daemon.process.pid, "hot_spare": daemon.keeps_spare}
         note(f"daemon pid {daemon.process.pid}")
-        note("figure 1: decode tokens/s")
-        decode_args = (s.decode_epochs, s.decode_rounds, s.warmup_tokens, tmp)
-        results["decode"] = [
-            bench_decode(daemon, model, paths[model], s.decode_tokens, *decode_args)
-        ]
-        if ipc_model:
-            results["decode"].append(
-                bench_decode(daemon, ipc_model, paths[ipc_model], s.ipc_decode_tokens, *decode_args)
-            )
-        note("figure 2: time to first token")
-        with worker(tmp / "worker.log") as w:
-            results["machine"] = {**machine_info(w.hello), **at_start}
-            results["models"] = {m: model_info(m, paths[m]) for m in models}
-            for m in models:
-                w.request("load", key=short(m), path=str(paths[m]))
-                client.load(m, short(m))
-            daemon.settle()
-            results["ttft"] = [
-                bench_ttft(client, w, model, s.ttft_pairs, s.ttft_warmup, s.ttft_tokens)
-            ]
-            if ipc_model:
-                results["ttft"].append(
-                    bench_ttft(client, w, ipc_model, s.ipc_ttft_pairs, s.ttft_warmup, s.ttft_tokens)
-                )
-            for m in models:
-                client.unload(short(m))
-        note("figure 3: load to ready")
-        daemons = {"daemon": daemon}
-        if daemon.keeps_spare:
-            # the same daemon without its hot spare: every load starts python and imports mlx
-            daemons = {
-                "hot spare": daemon,
-                "no spare": Daemon.start(stack, tmp, "cold", "hot_spare = false\n"),
-            }
-        results["load"] = bench_load(daemons, model, paths[model], s.load_rounds)
-        for d in daemons.values():
-            if d is not daemon:
-                d.shutdown()
-        note("figure 4: memory given back")
-        results["memory"] = bench_memory(
-            daemon, model, paths[model], s.memory_rounds, s.memory_tokens, tmp
-        )
+        if s.per_token_only:
+            results["machine"] = {**machine_info(mlx_device()), **at_start}
+            per_token_path = paths[PER_TOKEN_MODEL]
+            results["models"] = {PER_TOKEN_MODEL: model_info(PER_TOKEN_MODEL, per_token_path)}
+        else:
+            results.update(figures_1_to_4(s, daemon, paths, at_start, stack, tmp))
+        note("figure 5: per-token, the CLI streaming vs a fresh in-process stream_generate")
+        results["per_token_cli"] = bench_per_token(
+            daemon, paths[PER_TOKEN_MODEL], s.per_token_rounds, s.per_token_tokens,
+            s.warmup_tokens, tmp,
+        )  # fmt: skip
         results["daemon"]["exit"] = daemon.shutdown()
-    results["children_left"] = [p.pid for p in psutil.Process().children(recursive=True)]
-    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["children_left"] = children_left()
+    results["machine"]["loadavg_end"] = load_average()
     results["duration_s"] = time.perf_counter() - started
+    return results
+
+
+def figures_1_to_4(
+    s: Settings,
+    daemon: Daemon,
+    paths: dict[str, Path],
+    at_start: dict[str, Any],
+    stack: contextlib.ExitStack,
+    tmp: Path,
+) -> dict[str, Any]:
+    """Decode, TTFT, load and memory (the JSON's ``decode``, ``ttft``, ``load`` and
+    ``memory``), with ``machine`` (from the worker) and ``models``."""
+    model, ipc_model, client = s.model, s.ipc_model, daemon.client
+    models = list(paths)
+    results: dict[str, Any] = {}
+    note("figure 1: decode tokens/s")
+    decode_args = (s.decode_epochs, s.decode_rounds, s.warmup_tokens, tmp)
+    results["decode"] = [bench_decode(daemon, model, paths[model], s.decode_tokens, *decode_args)]
+    if ipc_model:
+        results["decode"].append(
+            bench_decode(daemon, ipc_model, paths[ipc_model], s.ipc_decode_tokens, *decode_args)
+        )
+    note("figure 2: time to first token")
+    with worker(tmp / "worker.log") as w:
+        results["machine"] = {**machine_info(w.hello["device"]), **at_start}
+        results["models"] = {m: model_info(m, paths[m]) for m in models}
+        for m in models:
+            w.request("load", key=short(m), path=str(paths[m]))
+            client.load(m, short(m))
+        daemon.settle()
+        results["ttft"] = [bench_ttft(client, w, model, s.ttft_pairs, s.ttft_warmup, s.ttft_tokens)]
+        if ipc_model:
+            results["ttft"].append(
+                bench_ttft(client, w, ipc_model, s.ipc_ttft_pairs, s.ttft_warmup, s.ttft_tokens)
+            )
+        for m in models:
+            client.unload(short(m))
+    note("figure 3: load to ready")
+    daemons = {"daemon": daemon}
+    if daemon.keeps_spare:
+        # the same daemon without its hot spare: every load starts python and imports mlx
+        daemons = {
+            "hot spare": daemon,
+            "no spare": Daemon.start(stack, tmp, "cold", "hot_spare = false\n"),
+        }
+    results["load"] = bench_load(daemons, model, paths[model], s.load_rounds)
+    for d in daemons.values():
+        if d is not daemon:
+            d.shutdown()
+    note("figure 4: memory given back")
+    results["memory"] = bench_memory(
+        daemon, model, paths[model], s.memory_rounds, s.memory_tokens, tmp
+    )
     return results
 
 
 # --- the table ---------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
-    return "-" if value is None else f"{value * scale:{spec}}{unit}"
-
-
-def _check(ok: bool | None) -> str:
-    return "-" if ok is None else ("PASS" if ok else "FAIL")
-
-
 Row = tuple[str, str, str, str, str, str]
-
-
-def _ms(value: float | None) -> str:
-    return _fmt(value, ".3f", 1000, " ms")
-
-
-def _us(value: float | None) -> str:
-    """CPU time: microseconds, or milliseconds from 10 ms up."""
-    if value is not None and value >= 0.01:
-        return _fmt(value, ".1f", 1e3, " ms")
-    return _fmt(value, ".0f", 1e6, " us")
-
-
-def _signed_ms(value: float | None) -> str:
-    return _fmt(value, "+.3f", 1000, " ms")
-
-
-def _mib(value: float | None) -> str:
-    return _fmt(value, ".0f", 1 / 2**20, " MiB")
 
 
 def _decode_rows(d: dict[str, Any]) -> list[Row]:
@@ -1095,7 +1120,7 @@ def _decode_rows(d: dict[str, Any]) -> list[Row]:
             f"{d['median_inproc_tps']:.2f}",
             f"ratio {d['median_ratio']:.3f} (epochs {epochs})",
             f">= {target}",
-            _check(d["median_ratio"] >= target),
+            verdict(d["median_ratio"] >= target),
         ),
         (
             f"1 decode tok/s, mlx-lm generation_tps ({m})",
@@ -1103,13 +1128,13 @@ def _decode_rows(d: dict[str, Any]) -> list[Row]:
             f"{d['median_inproc_reported_tps']:.2f}",
             f"ratio {d['median_reported_ratio']:.3f}",
             f">= {target}",
-            _check(d["median_reported_ratio"] >= target),
+            verdict(d["median_reported_ratio"] >= target),
         ),
         (
             f"1 CPU per token: runner / worker; daemon + client ({m})",
-            f"{_us(cpu['runner'])} + {_us(cpu['daemon'] + cpu['client'])}",
-            _us(cpu["worker"]),
-            f"daemon {_us(cpu['daemon'])}, client {_us(cpu['client'])}",
+            f"{cpu_time(cpu['runner'])} + {cpu_time(cpu['daemon'] + cpu['client'])}",
+            cpu_time(cpu["worker"]),
+            f"daemon {cpu_time(cpu['daemon'])}, client {cpu_time(cpu['client'])}",
             "",
             "",
         ),
@@ -1119,7 +1144,7 @@ def _decode_rows(d: dict[str, Any]) -> list[Row]:
             "",
             checks,
             "yes / yes",
-            _check(d["tokens_equal"]),
+            verdict(d["tokens_equal"]),
         ),
     ]
 
@@ -1128,22 +1153,22 @@ def _ttft_rows(t: dict[str, Any], checked: bool) -> list[Row]:
     """``checked``: the row the target applies to (the model whose compute is smallest)."""
     m, paired = short(t["model"]), t["paired_diff"]
     dist, e2e, hops = t["distribution_diff"], t["paired_diff_e2e"], t["hops_only"]
-    iqr = f"IQR {_signed_ms(paired['p25'])} to {_signed_ms(paired['p75'])}"
+    iqr = f"IQR {signed_ms(paired['p25'])} to {signed_ms(paired['p75'])}"
     return [
         (
             f"2 TTFT p50, Generation.ttft_s ({m}, {t['pairs']} pairs, max_tokens "
             f"{t['max_tokens']})",
-            _ms(t["daemon"]["p50"]),
-            _ms(t["inproc"]["p50"]),
-            f"paired diff {_signed_ms(paired['p50'])} ({iqr})",
+            ms(t["daemon"]["p50"]),
+            ms(t["inproc"]["p50"]),
+            f"paired diff {signed_ms(paired['p50'])} ({iqr})",
             f"< {TTFT_P50_TARGET_S * 1000:g} ms" if checked else "",
-            _check(paired["p50"] < TTFT_P50_TARGET_S) if checked else "",
+            verdict(paired["p50"] < TTFT_P50_TARGET_S) if checked else "",
         ),
         (
             f"2 TTFT p99, Generation.ttft_s ({m})",
-            _ms(t["daemon"]["p99"]),
-            _ms(t["inproc"]["p99"]),
-            f"paired diff {_signed_ms(paired['p99'])}",
+            ms(t["daemon"]["p99"]),
+            ms(t["inproc"]["p99"]),
+            f"paired diff {signed_ms(paired['p99'])}",
             "",
             "",
         ),
@@ -1151,15 +1176,15 @@ def _ttft_rows(t: dict[str, Any], checked: bool) -> list[Row]:
             f"2 TTFT p50(daemon)-p50(in-proc) / p99-p99 ({m})",
             "",
             "",
-            f"{_signed_ms(dist['p50'])} / {_signed_ms(dist['p99'])}",
+            f"{signed_ms(dist['p50'])} / {signed_ms(dist['p99'])}",
             "",
             "",
         ),
         (
             f"2 TTFT incl. connect+handshake, paired p50 / p99 ({m})",
-            _ms(t["daemon_e2e"]["p50"]),
+            ms(t["daemon_e2e"]["p50"]),
             "",
-            f"{_signed_ms(e2e['p50'])} / {_signed_ms(e2e['p99'])}",
+            f"{signed_ms(e2e['p50'])} / {signed_ms(e2e['p99'])}",
             "",
             "",
         ),
@@ -1167,7 +1192,7 @@ def _ttft_rows(t: dict[str, Any], checked: bool) -> list[Row]:
             f"2 the hops alone: client ttft - runner ttft, p50 / p99 ({m})",
             "",
             "",
-            f"{_signed_ms(hops['p50'])} / {_signed_ms(hops['p99'])}",
+            f"{signed_ms(hops['p50'])} / {signed_ms(hops['p99'])}",
             "",
             "",
         ),
@@ -1203,53 +1228,53 @@ def _load_rows(ld: dict[str, Any]) -> list[Row]:
 def _memory_rows(mem: dict[str, Any]) -> list[Row]:
     daemon, inproc, meter = mem["daemon"], mem["inproc"], mem["meter"]
     d_share, d_rss = daemon["median_share"], daemon["median_rss_share"]
-    kept = f"of {_mib(inproc['median_rss_grown'])} grown"
+    kept = f"of {mib(inproc['median_rss_grown'])} grown"
     return [
         (
             f"4 share of memory returned in 1 s ({short(mem['model'])}, median of {mem['rounds']})",
-            _fmt(d_share, ".3f"),
-            _fmt(inproc["median_share"], ".3f"),
+            fmt(d_share, ".3f"),
+            fmt(inproc["median_share"], ".3f"),
             "unload vs del+gc+clear_cache",
             f">= {MEMORY_SHARE_TARGET}",
-            _check(None if d_share is None else d_share >= MEMORY_SHARE_TARGET),
+            verdict(None if d_share is None else d_share >= MEMORY_SHARE_TARGET),
         ),
         (
             "4 ... counting the kernel's per-CPU free page lists too",
-            _fmt(daemon["median_share_with_pcp"], ".3f"),
-            _fmt(inproc["median_share_with_pcp"], ".3f"),
-            f"meter check {_fmt(meter['median_share_with_pcp'], '.3f')}",
+            fmt(daemon["median_share_with_pcp"], ".3f"),
+            fmt(inproc["median_share_with_pcp"], ".3f"),
+            f"meter check {fmt(meter['median_share_with_pcp'], '.3f')}",
             "",
             "",
         ),
         (
             "4 ... same share by RSS (daemon's process tree / worker)",
-            _fmt(daemon["median_rss_share"], ".3f"),
-            _fmt(inproc["median_rss_share"], ".3f"),
+            fmt(daemon["median_rss_share"], ".3f"),
+            fmt(inproc["median_rss_share"], ".3f"),
             "blind to other processes",
             f">= {MEMORY_SHARE_TARGET}",
-            _check(None if d_rss is None else d_rss >= MEMORY_SHARE_TARGET),
+            verdict(None if d_rss is None else d_rss >= MEMORY_SHARE_TARGET),
         ),
         (
             "4 meter check: a numpy block that size, allocated+freed",
             "",
             "",
-            f"share {_fmt(meter['median_share'], '.3f')}; available fell by "
-            f"{_fmt(meter['median_taken_of_size'], '.0%')} of it",
+            f"share {fmt(meter['median_share'], '.3f')}; available fell by "
+            f"{fmt(meter['median_taken_of_size'], '.0%')} of it",
             "",
             "",
         ),
         (
             "4 available memory taken by load+generate",
-            _mib(daemon["median_taken_bytes"]),
-            _mib(inproc["median_taken_bytes"]),
+            mib(daemon["median_taken_bytes"]),
+            mib(inproc["median_taken_bytes"]),
             "",
             "",
             "",
         ),
         (
             "4 within 99% after the call returned (rounds that got there)",
-            f"{_ms(daemon['median_within_99_s'])} ({daemon['rounds_within_99']}/{mem['rounds']})",
-            f"{_ms(inproc['median_within_99_s'])} ({inproc['rounds_within_99']}/{mem['rounds']})",
+            f"{ms(daemon['median_within_99_s'])} ({daemon['rounds_within_99']}/{mem['rounds']})",
+            f"{ms(inproc['median_within_99_s'])} ({inproc['rounds_within_99']}/{mem['rounds']})",
             "",
             "",
             "",
@@ -1257,7 +1282,7 @@ def _memory_rows(mem: dict[str, Any]) -> list[Row]:
         (
             "4 in-process RSS kept after del/gc/clear_cache",
             "",
-            _mib(inproc["median_rss_kept"]),
+            mib(inproc["median_rss_kept"]),
             kept,
             "",
             "",
@@ -1265,21 +1290,53 @@ def _memory_rows(mem: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _per_token_rows(p: dict[str, Any]) -> list[Row]:
+    m, target = short(p["model"]), PER_TOKEN_RATIO_TARGET
+    what = f"{m}, {p['max_tokens']} tok, median of {p['rounds']}"
+    rounds = "/".join(f"{r:.3f}" for r in p["ratios"])
+    checks = f"{'yes' if p['tokens_equal'] else 'NO'} / {'yes' if p['same_text'] else 'NO'}"
+    return [
+        (
+            f"5 per-token tok/s, CLI --json ({what})",
+            f"{p['median_daemon_tps']:.2f}",
+            f"{p['median_inproc_tps']:.2f}",
+            f"ratio {p['median_ratio']:.3f} (rounds {rounds})",
+            f">= {target}",
+            verdict(p["median_ratio"] >= target),
+        ),
+        (
+            f"5 ... to the CLI's last token, not its summary ({m})",
+            f"{p['median_daemon_text_tps']:.2f}",
+            "",
+            f"ratio {p['median_text_ratio']:.3f}; summary "
+            f"{ms(p['median_summary_after_text_s'])} after it",
+            "",
+            "",
+        ),
+        (
+            f"5 check: same token count / same text ({m})",
+            "",
+            "",
+            checks,
+            "yes / yes",
+            verdict(p["tokens_equal"]),
+        ),
+    ]
+
+
 def table(results: dict[str, Any]) -> str:
     rows: list[Row] = []
-    for d in results["decode"]:
+    for d in results.get("decode", []):
         rows += _decode_rows(d)
-    for index, t in enumerate(results["ttft"]):
-        rows += _ttft_rows(t, checked=index == len(results["ttft"]) - 1)
-    rows += _load_rows(results["load"])
-    rows += _memory_rows(results["memory"])
+    ttfts = results.get("ttft", [])
+    for index, t in enumerate(ttfts):
+        rows += _ttft_rows(t, checked=index == len(ttfts) - 1)
+    if "load" in results:
+        rows += _load_rows(results["load"])
+    if "memory" in results:
+        rows += _memory_rows(results["memory"])
+    rows += _per_token_rows(results["per_token_cli"])
     header: Row = ("figure", "daemon", "in-process", "result", "target", "")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
-        for row in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
     mach = results["machine"]
     quick = " (--quick: a smoke run, not a measurement)" if results["settings"]["quick"] else ""
     title = (
@@ -1293,16 +1350,7 @@ def table(results: dict[str, Any]) -> str:
         f"start, {mach['loadavg_end'][0]:.2f} at end; child processes left: "
         f"{len(results['children_left'])}"
     )
-    return "\n".join([title, "", *lines, "", footer])
-
-
-def write_json(results: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, out)
+    return "\n".join([title, "", render_table(header, rows), "", footer])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1319,6 +1367,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttft-tokens", type=int, help="max_tokens of figure 2's requests (2)")
     parser.add_argument("--load-rounds", type=int, help="figure 3's rounds")
     parser.add_argument("--memory-rounds", type=int, help="figure 4's rounds")
+    parser.add_argument("--per-token-rounds", type=int, help="figure 5's rounds (5; --quick 2)")
+    parser.add_argument("--per-token-tokens", type=int, help="max_tokens of figure 5 (512)")
+    parser.add_argument(
+        "--per-token-only", action="store_true", help="run figure 5 alone (per-token, CLI)"
+    )
     return parser.parse_args(argv)
 
 

@@ -42,16 +42,28 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_daemon import Daemon, machine_info, note, percentile, spare_supported, write_json
-from common import mlx_device, render_table
+from common import (
+    RESULTS_DIR,
+    Daemon,
+    children_left,
+    cpu_s_each,
+    load_average,
+    machine_info,
+    mlx_device,
+    ms,
+    note,
+    percentiles,
+    ratio,
+    render_table,
+    runner_info,
+    verdict,
+    write_json,
+)
 from supervisor.client import Client, ClientError
-from supervisor.spawn import DaemonProcess
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hardening.json"
+DEFAULT_OUT = RESULTS_DIR / "hardening.json"
 MODEL = "builtin:tiny"
 NAME = "tiny"
 PROMPT = "The supervisor keeps every model in a runner process of its own."
@@ -94,28 +106,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def config_text(s: Settings) -> str:
     """The daemon's config file: an explicit one keeps a user's own config out."""
     return "# defaults\n" if s.max_queue is None else f"max_queue = {s.max_queue}\n"
-
-
-def start_daemon(stack: contextlib.ExitStack, tmp: Path, config: str) -> Daemon:
-    """A private daemon: socket, config, state and runtime dirs all in ``tmp``
-    (the builtin model cache stays shared)."""
-    config_path = tmp / "hardening.toml"
-    config_path.write_text(config, encoding="utf-8")
-    env = {}
-    for variable, name in [("XDG_STATE_HOME", "state"), ("XDG_RUNTIME_DIR", "run"),
-                           ("XDG_CONFIG_HOME", "config")]:  # fmt: skip
-        (tmp / name).mkdir(mode=0o700)
-        env[variable] = str(tmp / name)
-    process = DaemonProcess(tmp / "hardening.sock", config_path, env=env)
-    stack.enter_context(process)  # on the way out: SIGTERM (graceful), else SIGKILL
-
-    def show_log_on_error(exc_type: type[BaseException] | None, *_: object) -> bool:
-        if exc_type is not None:
-            note("the daemon's last log lines:\n" + "\n".join(list(process.log_lines)[-20:]))
-        return False
-
-    stack.push(show_log_on_error)
-    return Daemon(process, Client(process.socket_path), keeps_spare=spare_supported())
 
 
 # --- the load: a child process with one thread per client --------------------
@@ -242,8 +232,7 @@ def probe_status(client: Client, samples: int, interval_s: float) -> dict[str, A
 
 
 def queue_depth(client: Client) -> int:
-    runner = next(r for r in client.status().runners if r.name == NAME)
-    return runner.queue_depth
+    return runner_info(client, NAME).queue_depth
 
 
 def idle_phase(daemon: Daemon, client: Client, s: Settings, index: int) -> dict[str, Any]:
@@ -274,14 +263,13 @@ def load_phase(daemon: Daemon, client: Client, s: Settings, index: int) -> dict[
             time.sleep(0.02)
         if fill_s is None:
             note(f"the queue did not reach {full} within {s.fill_timeout_s:g} s; measuring anyway")
-        runner = next(r for r in client.status().runners if r.name == NAME)
-        pids = {"daemon": daemon.process.pid, "runner": runner.pid,
+        pids = {"daemon": daemon.process.pid, "runner": runner_info(client, NAME).pid,
                 "clients": generator.pid, "probe": os.getpid()}  # fmt: skip
-        lines_before, cpu_before = daemon.process.line_count, cpu_s(pids)
+        lines_before, cpu_before = daemon.process.line_count, cpu_s_each(pids)
         probe_started = time.perf_counter()
         probe = probe_status(client, s.samples, s.interval_s)
         probe_s = time.perf_counter() - probe_started
-        log_lines, cpu_after = daemon.process.line_count - lines_before, cpu_s(pids)
+        log_lines, cpu_after = daemon.process.line_count - lines_before, cpu_s_each(pids)
     finally:
         stop.set()
         try:  # before join, so the queue's pipe drains
@@ -311,32 +299,10 @@ def load_phase(daemon: Daemon, client: Client, s: Settings, index: int) -> dict[
 # --- the run -----------------------------------------------------------------
 
 
-def children_left() -> list[int]:
-    """Our child processes still alive, but multiprocessing's resource tracker
-    (it lives as long as this process)."""
-    left = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                left.append(child.pid)
-    return left
-
-
-def cpu_s(pids: dict[str, int | None]) -> dict[str, float]:
-    """user + system CPU seconds so far of each named process (all its threads)."""
-    seconds = {}
-    for label, pid in pids.items():
-        with contextlib.suppress(psutil.Error, TypeError):
-            times = psutil.Process(pid).cpu_times()
-            seconds[label] = times.user + times.system
-    return seconds
-
-
 def summary(values: list[float]) -> dict[str, float | int | None]:
     if not values:
         return {"p50": None, "p99": None, "max": None, "n": 0}
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99),
-            "max": max(values), "n": len(values)}  # fmt: skip
+    return {**percentiles(values, (50, 99)), "max": max(values), "n": len(values)}
 
 
 def accounting(phases: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
@@ -386,13 +352,13 @@ def accounting(phases: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
 def run(s: Settings) -> dict[str, Any]:
     started = time.perf_counter()
     results: dict[str, Any] = {"settings": asdict(s)}
-    results["machine"] = machine_info({"device": mlx_device()})
+    results["machine"] = machine_info(mlx_device())
     phases: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory(prefix="mlx-bench-hardening-") as tmp_name,
         contextlib.ExitStack() as stack,
     ):
-        daemon = start_daemon(stack, Path(tmp_name), config_text(s))
+        daemon = Daemon.start(stack, Path(tmp_name), "hardening", config_text(s))
         results["daemon"] = {"pid": daemon.process.pid, "config": config_text(s)}
         note(f"daemon pid {daemon.process.pid}; loading {MODEL}")
         client = Client(daemon.process.socket_path, timeout_s=s.call_timeout_s)
@@ -427,7 +393,7 @@ def run(s: Settings) -> dict[str, Any]:
     results["requests"] = accounting(load_phases, s)
     results["phases"] = phases
     results["children_left"] = children_left()
-    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["machine"]["loadavg_end"] = load_average()
     results["duration_s"] = time.perf_counter() - started
     return results
 
@@ -457,14 +423,6 @@ def checks(r: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.2f} ms"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
-
-
 def table(r: dict[str, Any]) -> str:
     s, idle, load, q = r["settings"], r["status_s"]["idle"], r["status_s"]["load"], r["requests"]
     mach = r["machine"]
@@ -480,10 +438,12 @@ def table(r: dict[str, Any]) -> str:
         f"{s['samples']} status round trips per phase, {s['interval_s'] * 1000:.0f} ms apart"
     )
     status_rows = [
-        ("status p50", _ms(idle["p50"]), _ms(load["p50"]), _ratio(load["p50"], idle["p50"]), ""),
-        ("status p99", _ms(idle["p99"]), _ms(load["p99"]), _ratio(load["p99"], idle["p99"]),
-         "< 10 ms under load"),
-        ("status max", _ms(idle["max"]), _ms(load["max"]), _ratio(load["max"], idle["max"]), ""),
+        ("status p50", ms(idle["p50"], ".2f"), ms(load["p50"], ".2f"),
+         ratio(load["p50"], idle["p50"]), ""),
+        ("status p99", ms(idle["p99"], ".2f"), ms(load["p99"], ".2f"),
+         ratio(load["p99"], idle["p99"]), "< 10 ms under load"),
+        ("status max", ms(idle["max"], ".2f"), ms(load["max"], ".2f"),
+         ratio(load["max"], idle["max"]), ""),
         ("samples", str(idle["n"]), str(load["n"]), "", ""),
     ]  # fmt: skip
     share = r["queue_full_share"]
@@ -494,9 +454,11 @@ def table(r: dict[str, Any]) -> str:
         ("requests started", str(q["started"]), ""),
         ("completed (expected tokens)",
          f"{q['completed']} ({q['completed_after_waiting']} after waiting in the queue)",
-         f"call -> done p50 {_ms(q['completed_s']['p50'])}, p99 {_ms(q['completed_s']['p99'])}"),
+         f"call -> done p50 {ms(q['completed_s']['p50'], '.2f')}, "
+         f"p99 {ms(q['completed_s']['p99'], '.2f')}"),
         ("refused busy", f"{q['refused_busy']} ({q['refused_busy_per_s'] or 0:.0f}/s)",
-         f"call -> error p50 {_ms(q['refused_s']['p50'])}, p99 {_ms(q['refused_s']['p99'])}; "
+         f"call -> error p50 {ms(q['refused_s']['p50'], '.2f')}, "
+         f"p99 {ms(q['refused_s']['p99'], '.2f')}; "
          f"daemon counted {q['daemon_refused_busy']}"),
         ("failed with a cause", str(q["failed_with_cause"]),
          ", ".join(f"{k} {v}" for k, v in sorted(q["failed_by_code"].items()))),
@@ -509,7 +471,7 @@ def table(r: dict[str, Any]) -> str:
             f"{k} {v:.2f}" for k, v in r["cpu_cores_busy_under_load"].items()),
          f"of {mach['cpu_count']} CPUs; load average {mach['loadavg_start'][0]:.2f} at start"),
     ]  # fmt: skip
-    check_rows = [(name, "PASS" if ok else "FAIL") for name, ok in checks(r).items()]
+    check_rows = [(name, verdict(ok)) for name, ok in checks(r).items()]
     footer = (
         f"ran {r['duration_s']:.0f} s; load average {mach['loadavg_start'][0]:.2f} at start, "
         f"{mach['loadavg_end'][0]:.2f} at end"

@@ -46,16 +46,28 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_daemon import machine_info, note, write_json
-from bench_recovery import log_time
-from common import mlx_device, render_table
+from common import (
+    RESULTS_DIR,
+    Daemon,
+    alternate,
+    first_record,
+    load_average,
+    log_time,
+    machine_info,
+    median,
+    mlx_device,
+    ms,
+    note,
+    render_table,
+    runner_info,
+    write_json,
+)
 from ipc.messages import RunnerInfo
 from supervisor.client import Client
 from supervisor.memory.estimate import Estimate, estimate_reference
-from supervisor.spawn import DaemonProcess
 from supervisor.units import format_bytes
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
+DEFAULT_OUT = RESULTS_DIR / "memory.json"
 MiB = 1 << 20
 MODELS = ("builtin:tiny", "builtin:small")
 PROMPT = "Hello"
@@ -69,44 +81,10 @@ TIGHT_FACTOR = 1.5  # figure 3: simulated machine = this x the estimate: room fo
 ROOMY_FACTOR = 3.0  # the anchor's: room for two
 RSS_RUNNERS = ("a", "b", "c", "d")  # figure 4
 RSS_TARGET_BYTES = 100_000_000
+CLIENT_TIMEOUT_S = 600  # the 512-token generation on builtin:small takes up to ~4 min here
 
 
-# --- daemons and their logs ----------------------------------------------------
-
-
-def start_daemon(
-    stack: ExitStack, tmp: Path, label: str, config: str
-) -> tuple[DaemonProcess, Client]:
-    """A private daemon with ``config`` (TOML) and a state dir of its own; terminated when
-    ``stack`` closes, with its last log lines shown if the run failed."""
-    config_path = tmp / f"{label}.toml"
-    config_path.write_text(config, encoding="utf-8")
-    env = {"XDG_STATE_HOME": str(tmp / f"state-{label}")}
-    daemon = DaemonProcess(tmp / f"{label}.sock", config_path, env=env)
-    stack.enter_context(daemon)
-
-    def show_log_on_error(exc_type: type[BaseException] | None, *_: object) -> bool:
-        if exc_type is not None:
-            tail = "\n".join(list(daemon.log_lines)[-20:])
-            note(f"the {label} daemon's last log lines:\n{tail}")
-        return False
-
-    stack.push(show_log_on_error)
-    return daemon, Client(daemon.socket_path, timeout_s=600)
-
-
-def matching(daemon: DaemonProcess, event: str, **match: Any) -> list[dict[str, Any]]:
-    return [dict(r) for r in daemon.events(event) if all(r.get(k) == v for k, v in match.items())]
-
-
-def one_record(daemon: DaemonProcess, event: str, **match: Any) -> dict[str, Any]:
-    """The first ``event`` record matching ``match``, waiting for it to be logged."""
-    daemon.wait_until(lambda: bool(matching(daemon, event, **match)), timeout_s=60)
-    return matching(daemon, event, **match)[0]
-
-
-def runner_info(client: Client, name: str) -> RunnerInfo:
-    return next(r for r in client.status().runners if r.name == name)
+# --- the runners -----------------------------------------------------------------
 
 
 def vm_hwm_bytes(pid: int) -> int:
@@ -115,10 +93,6 @@ def vm_hwm_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmHWM for pid {pid}")
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else math.nan
 
 
 # --- figure 1: the estimate against the measured peak ---------------------------
@@ -143,7 +117,8 @@ def after_pongs(client: Client, name: str, intervals: int = 3) -> list[RunnerInf
 
 def estimator_error(stack: ExitStack, tmp: Path) -> list[dict[str, Any]]:
     config = f"ping_timeout_s = {PING_TIMEOUT_S}\nhot_spare = false\n"
-    daemon, client = start_daemon(stack, tmp, "estimate", config)
+    d = Daemon.start(stack, tmp, "estimate", config, client_timeout_s=CLIENT_TIMEOUT_S)
+    daemon, client = d.process, d.client
     rows = []
     for model in MODELS:
         name = model.removeprefix("builtin:")
@@ -200,7 +175,8 @@ def memory_gate(stack: ExitStack, tmp: Path, reps: int) -> list[dict[str, Any]]:
     """Per rep: builtin:small loaded (s), then two loads of the next model, in alternating
     order: one with nothing unloaded since the last admission (the anchor, n), one issued
     as soon as unloading s returns (gated, m). Both timed to their ``admitted`` line."""
-    daemon, client = start_daemon(stack, tmp, "gate", "hot_spare = false\n")
+    d = Daemon.start(stack, tmp, "gate", "hot_spare = false\n", client_timeout_s=CLIENT_TIMEOUT_S)
+    daemon, client = d.process, d.client
     reps_out = []
     for i in range(reps):
         note(f"figure 2: rep {i + 1}/{reps}")
@@ -208,7 +184,7 @@ def memory_gate(stack: ExitStack, tmp: Path, reps: int) -> list[dict[str, Any]]:
         client.load(UNLOADED_MODEL, unloaded)
         footprint = runner_info(client, unloaded).rss_bytes
         rep: dict[str, Any] = {"order": [], "unloaded_rss_bytes": footprint}
-        for kind in ("anchor", "gated") if i % 2 == 0 else ("gated", "anchor"):
+        for kind in alternate(i, "anchor", "gated"):
             rep["order"].append(kind)
             if kind == "gated":
                 unload_started = time.perf_counter()
@@ -217,10 +193,10 @@ def memory_gate(stack: ExitStack, tmp: Path, reps: int) -> list[dict[str, Any]]:
             name = gated if kind == "gated" else anchor
             started = time.time()
             client.load(NEXT_MODEL, name)
-            admitted = log_time(one_record(daemon, "admitted", model=name))
+            admitted = log_time(first_record(daemon, "admitted", model=name))
             rep[f"{kind}_to_admitted_s"] = admitted - started
             # The daemon's part alone: the request logged -> admitted.
-            requested = log_time(one_record(daemon, "load_requested", model=name))
+            requested = log_time(first_record(daemon, "load_requested", model=name))
             rep[f"{kind}_requested_to_admitted_s"] = admitted - requested
         gates = [
             {**r, "passed": r["event"] == "memory_gate_passed"}
@@ -229,7 +205,7 @@ def memory_gate(stack: ExitStack, tmp: Path, reps: int) -> list[dict[str, Any]]:
             and unloaded in list(r["departed"])  # type: ignore[call-overload]
         ]
         rep["gate"] = gates[0] if gates else None
-        admitted_at = log_time(one_record(daemon, "admitted", model=gated))
+        admitted_at = log_time(first_record(daemon, "admitted", model=gated))
         rep["gate_before_admitted"] = bool(gates) and log_time(gates[0]) <= admitted_at
         client.unload(anchor)
         client.unload(gated)
@@ -255,23 +231,24 @@ def eviction(stack: ExitStack, tmp: Path, reps: int) -> dict[str, Any]:
         "roomy": math.ceil(ROOMY_FACTOR * estimate.total_bytes / MiB) + 16,
     }
     daemons = {
-        label: start_daemon(stack, tmp, f"evict-{label}", base + f"memory_override_mb = {mb}\n")
+        label: Daemon.start(stack, tmp, f"evict-{label}", base + f"memory_override_mb = {mb}\n",
+                            client_timeout_s=CLIENT_TIMEOUT_S)
         for label, mb in override_mb.items()
-    }
-    for _, client in daemons.values():
-        client.load(EVICT_MODEL, "m0")
+    }  # fmt: skip
+    for d in daemons.values():
+        d.client.load(EVICT_MODEL, "m0")
     samples: dict[str, list[dict[str, Any]]] = {label: [] for label in daemons}
     for i in range(reps):
         note(f"figure 3: rep {i + 1}/{reps}")
-        for label in ("tight", "roomy") if i % 2 == 0 else ("roomy", "tight"):
-            daemon, client = daemons[label]
+        for label in alternate(i, "tight", "roomy"):
+            daemon, client = daemons[label].process, daemons[label].client
             idle, new = f"m{i}", f"m{i + 1}"
             client.generate_text(idle, PROMPT, max_tokens=SHORT_TOKENS)
             started = time.perf_counter()
             client.load(EVICT_MODEL, new)
             ready_s = time.perf_counter() - started
-            requested = one_record(daemon, "load_requested", model=new)
-            admitted = one_record(daemon, "admitted", model=new)
+            requested = first_record(daemon, "load_requested", model=new)
+            admitted = first_record(daemon, "admitted", model=new)
             evicting = [
                 r for r in daemon.events("model_evicting")
                 if str(r.get("reason", "")).endswith(f"to make room for {new}")
@@ -287,8 +264,8 @@ def eviction(stack: ExitStack, tmp: Path, reps: int) -> dict[str, Any]:
             })  # fmt: skip
             if label == "roomy":
                 client.unload(idle)
-    for daemon, _ in daemons.values():
-        daemon.terminate()
+    for d in daemons.values():
+        d.process.terminate()
     return {
         "mode": "memory_override_mb",
         "model": EVICT_MODEL,
@@ -303,7 +280,8 @@ def eviction(stack: ExitStack, tmp: Path, reps: int) -> dict[str, Any]:
 
 
 def daemon_rss(stack: ExitStack, tmp: Path) -> dict[str, Any]:
-    daemon, client = start_daemon(stack, tmp, "rss", "hot_spare = false\n")
+    d = Daemon.start(stack, tmp, "rss", "hot_spare = false\n", client_timeout_s=CLIENT_TIMEOUT_S)
+    daemon, client = d.process, d.client
     process = psutil.Process(daemon.pid)
     client.status()
     empty = process.memory_info().rss
@@ -385,7 +363,7 @@ def summarize(results: dict[str, Any]) -> None:
 def run(reps: int) -> dict[str, Any]:
     started = time.perf_counter()
     results: dict[str, Any] = {
-        "machine": machine_info({"device": mlx_device()}),
+        "machine": machine_info(mlx_device()),
         "reps": reps,
         "settings": {"prompt": PROMPT, "decode_tokens": DECODE_TOKENS,
                      "short_tokens": SHORT_TOKENS, "ping_timeout_s": PING_TIMEOUT_S},
@@ -398,7 +376,7 @@ def run(reps: int) -> dict[str, Any]:
                            "reps": memory_gate(stack, tmp, reps)}  # fmt: skip
         results["estimate"] = estimator_error(stack, tmp)
     summarize(results)
-    results["machine"]["loadavg_end"] = list(psutil.getloadavg())
+    results["machine"]["loadavg_end"] = load_average()
     results["elapsed_s"] = time.perf_counter() - started
     return results
 
@@ -417,7 +395,6 @@ def table(r: dict[str, Any]) -> str:
             ))  # fmt: skip
     g = r["gate"]["summary"]
     lo, hi = g["returned_share_min_max"] or (math.nan, math.nan)
-    ms = 1000
     gate_rows = []
     for label, fig in (
         ("load called / unload returned -> admitted", g["to_admitted_s"]),
@@ -426,14 +403,14 @@ def table(r: dict[str, Any]) -> str:
         gate_rows.append(
             (
                 label,
-                f"{fig['anchor'] * ms:.1f} ms",
-                f"{fig['measured'] * ms:.1f} ms",
+                ms(fig["anchor"], ".1f"),
+                ms(fig["measured"], ".1f"),
                 f"{fig['ratio']:.2f}",
-                f"{fig['difference'] * ms:+.1f} ms",
+                ms(fig["difference"], "+.1f"),
             )
         )
     gate_rows += [
-        ("gate waited", "-", f"{g['waited_s'] * ms:.0f} ms", "", ""),
+        ("gate waited", "-", ms(g["waited_s"], ".0f"), "", ""),
         ("share of the departed runner back (min, max)", "-",
          f"{g['returned_share']:.2f} ({lo:.2f}, {hi:.2f})", "", ""),
         ("  small unloaded as soon as its load returned", "-",
@@ -442,17 +419,17 @@ def table(r: dict[str, Any]) -> str:
          f"{g['returned_share_unloaded_later']:.2f}", "", ""),
         ("gate events / timeouts / missed", "-",
          f"{g['gate_events']} / {g['gate_timeouts']} / {g['gate_missed']}", "", ""),
-        ("client.unload of small", "-", f"{g['unload_s'] * ms:.0f} ms", "", ""),
+        ("client.unload of small", "-", ms(g["unload_s"], ".0f"), "", ""),
     ]  # fmt: skip
     e = r["eviction"]["summary"]
     ev = r["eviction"]
     ready, admission = e["ready_s"], e["admission_s"]
     evict_rows = [
         ("load -> ready", f"{ready['anchor']:.2f} s", f"{ready['measured']:.2f} s",
-         f"{ready['ratio']:.2f}", f"{ready['difference'] * ms:+.0f} ms"),
-        ("load_requested -> admitted", f"{admission['anchor'] * ms:.1f} ms",
-         f"{admission['measured'] * ms:.0f} ms", f"{admission['ratio']:.1f}",
-         f"{admission['difference'] * ms:+.0f} ms"),
+         f"{ready['ratio']:.2f}", ms(ready["difference"], "+.0f")),
+        ("load_requested -> admitted", ms(admission["anchor"], ".1f"),
+         ms(admission["measured"], ".0f"), f"{admission['ratio']:.1f}",
+         ms(admission["difference"], "+.0f")),
         ("evictions per load", " ".join(map(str, e["evictions"]["roomy"])),
          " ".join(map(str, e["evictions"]["tight"])),
          "ok" if e["exactly_one_eviction_each"] else "MISMATCH", ""),

@@ -25,26 +25,34 @@ compared with the wall clock at the moment of the kill.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import ExitStack, suppress
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_daemon import machine_info, percentile
-from supervisor.client import Client
+from common import (
+    RESULTS_DIR,
+    Daemon,
+    first_record,
+    log_records,
+    log_time,
+    machine_info,
+    median,
+    percentiles,
+    render_table,
+    runner_info,
+    write_json,
+)
 from supervisor.spawn import DaemonProcess
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "recovery.json"
+DEFAULT_OUT = RESULTS_DIR / "recovery.json"
 STALL_S = 2.0
 
 
@@ -77,28 +85,9 @@ def bare_teardown_ms(rss_bytes: int) -> float:
     return elapsed
 
 
-def log_time(record: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(record["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
-def records(daemon: DaemonProcess, event: str, **match: Any) -> list[dict[str, Any]]:
-    found = []
-    for record in daemon.events(event):
-        if all(record.get(k) == v for k, v in match.items()):
-            found.append(record)
-    return found
-
-
 def wait_event(daemon: DaemonProcess, event: str, after: float, **match: Any) -> float:
     """The log time of the first ``event`` (matching) logged after wall time ``after``."""
-    found: list[float] = []
-
-    def seen() -> bool:
-        found[:] = [t for r in records(daemon, event, **match) if (t := log_time(r)) >= after]
-        return bool(found)
-
-    daemon.wait_until(seen, timeout_s=120)
-    return found[0]
+    return log_time(first_record(daemon, event, after=after, timeout_s=120, **match))
 
 
 class Bench:
@@ -109,41 +98,32 @@ class Bench:
         self.stack = stack
         self.count = 0
 
-    def daemon(self, config: str) -> tuple[DaemonProcess, Client]:
+    def daemon(self, config: str) -> Daemon:
+        """A private daemon (see ``Daemon.start``); its client waits up to 300 s."""
         self.count += 1
-        path = self.workdir / f"d{self.count}.toml"
-        path.write_text(config)
-        env = {"XDG_STATE_HOME": str(self.workdir / f"state{self.count}")}
-        daemon = DaemonProcess(self.workdir / f"d{self.count}.sock", path, env=env)
-        self.stack.enter_context(daemon)
-        return daemon, Client(daemon.socket_path, timeout_s=300)
-
-    @staticmethod
-    def wait_spare(daemon: DaemonProcess, client: Client) -> None:
-        def warm() -> bool:
-            spare = client.status().spare
-            return spare is not None and spare.warm
-
-        daemon.wait_until(warm, timeout_s=120)
+        return Daemon.start(
+            self.stack, self.workdir, f"d{self.count}", config, client_timeout_s=300
+        )
 
     def detection(self) -> dict[str, Any]:
         """Figure 1 and 2: SIGKILL a runner; noticed when; ready again when."""
         results: dict[str, Any] = {}
         plain: dict[str, list[float]] = {"spare": [], "no_spare": []}
         for label, spare in (("spare", "true"), ("no_spare", "false")):
-            daemon, client = self.daemon(f"hot_spare = {spare}\n")
+            d = self.daemon(f"hot_spare = {spare}\n")
+            daemon, client = d.process, d.client
             detect_log, detect_client, recover, bare = [], [], [], []
             for i in range(self.rounds):
                 if spare == "true":
-                    self.wait_spare(daemon, client)
+                    d.settle()
                 started = time.perf_counter()
                 client.load(self.model, f"r{i}")
                 plain[label].append(time.perf_counter() - started)
                 if spare == "true":
-                    self.wait_spare(daemon, client)
+                    d.settle()
                 with client.generate(f"r{i}", "Hello", max_tokens=100_000) as gen:
                     next(gen)
-                    info = next(r for r in client.status().runners if r.name == f"r{i}")
+                    info = runner_info(client, f"r{i}")
                     pid = info.pid
                     assert pid is not None and info.rss_bytes is not None
                     rss = info.rss_bytes
@@ -174,17 +154,18 @@ class Bench:
         out: dict[str, Any] = {}
         for how in ("busy", "c"):
             fault = "hang_at_token=3" + (":c" if how == "c" else "")
-            daemon, client = self.daemon(f"decode_stall_s = {STALL_S}\n")
+            d = self.daemon(f"decode_stall_s = {STALL_S}\n")
+            daemon, client = d.process, d.client
             killed_beyond, ready_beyond = [], []
             for i in range(max(3, self.rounds // 4)):
                 once = self.workdir / f"once-{how}-{i}"
                 name = f"h{i}"
-                self.wait_spare(daemon, client)
+                d.settle()
                 client.load(self.model, name, env={"MLX_SUPERVISOR_FAULTS": f"{fault},once={once}"})
                 started = time.time()
                 with suppress(Exception):
                     client.generate_text(name, "Hello", max_tokens=50)
-                (stall,) = records(daemon, "runner_stalled", model=name)
+                (stall,) = log_records(daemon, "runner_stalled", model=name)
                 last_progress = log_time(stall) - float(stall["since_progress_s"])
                 exited = wait_event(daemon, "runner_exited", started, model=name)
                 ready = wait_event(daemon, "model_ready", exited, model=name)
@@ -197,12 +178,7 @@ class Bench:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "p50": percentile(values, 50),
-        "p99": percentile(values, 99),
-        "median": statistics.median(values) if values else float("nan"),
-        "n": len(values),
-    }
+    return {**percentiles(values, (50, 99)), "median": median(values), "n": len(values)}
 
 
 def run(model: str, rounds: int) -> dict[str, Any]:
@@ -211,10 +187,10 @@ def run(model: str, rounds: int) -> dict[str, Any]:
         detection = bench.detection()
         hang = bench.hang()
     spare, no_spare = detection["spare"], detection["no_spare"]
-    plain_no_spare = statistics.median(no_spare["plain_load_s"])
-    plain_spare = statistics.median(spare["plain_load_s"])
+    plain_no_spare = median(no_spare["plain_load_s"])
+    plain_spare = median(spare["plain_load_s"])
     return {
-        "machine": machine_info({"device": "n/a (runners only)"}),
+        "machine": machine_info("n/a (runners only)"),
         "model": model,
         "rounds": rounds,
         "stall_timeout_s": STALL_S,
@@ -228,17 +204,15 @@ def run(model: str, rounds: int) -> dict[str, Any]:
                 for d, b in zip(side["detect_log_ms"], side["bare_teardown_ms"], strict=True)
             ]
         ),
-        "kill_to_ready_no_spare_ratio": statistics.median(no_spare["kill_to_ready_s"])
-        / plain_no_spare,
-        "kill_to_ready_spare_ratio": statistics.median(spare["kill_to_ready_s"]) / plain_no_spare,
-        "kill_to_ready_spare_vs_spare_load_ratio": statistics.median(spare["kill_to_ready_s"])
-        / plain_spare,
+        "kill_to_ready_no_spare_ratio": median(no_spare["kill_to_ready_s"]) / plain_no_spare,
+        "kill_to_ready_spare_ratio": median(spare["kill_to_ready_s"]) / plain_no_spare,
+        "kill_to_ready_spare_vs_spare_load_ratio": median(spare["kill_to_ready_s"]) / plain_spare,
         "load_spare_ratio": plain_spare / plain_no_spare,
         "medians_s": {
             "plain_load_no_spare": plain_no_spare,
             "plain_load_spare": plain_spare,
-            "kill_to_ready_no_spare": statistics.median(no_spare["kill_to_ready_s"]),
-            "kill_to_ready_spare": statistics.median(spare["kill_to_ready_s"]),
+            "kill_to_ready_no_spare": median(no_spare["kill_to_ready_s"]),
+            "kill_to_ready_spare": median(spare["kill_to_ready_s"]),
         },
         "hang": {how: {k: summary(v) for k, v in d.items()} for how, d in hang.items()},
         "raw": {"detection": detection, "hang": hang},
@@ -272,10 +246,8 @@ def table(r: dict[str, Any]) -> str:
                      f"{h['killed_beyond_s']['median']:.2f} s", "< 1 s"))  # fmt: skip
         rows.append((f"hang ({label}) -> ready again, beyond the stall timeout (median)",
                      f"{h['ready_beyond_s']['median']:.2f} s", "< 1 s"))  # fmt: skip
-    width = max(len(label) for label, _, _ in rows)
-    lines = [f"model {r['model']}, {r['rounds']} rounds, stall timeout {r['stall_timeout_s']} s"]
-    lines += [f"{label.ljust(width)}  {value:<32} {target}" for label, value, target in rows]
-    return "\n".join(lines)
+    title = f"model {r['model']}, {r['rounds']} rounds, stall timeout {r['stall_timeout_s']} s"
+    return f"{title}\n{render_table(None, rows)}"
 
 
 def main() -> int:
@@ -288,8 +260,7 @@ def main() -> int:
     model, rounds = ("builtin:tiny", 5) if args.quick else (args.model, args.rounds)
     results = run(model, rounds)
     print(table(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+    write_json(results, args.out)
     print(f"\nwrote {args.out}")
     return 0
 

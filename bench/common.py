@@ -1,10 +1,314 @@
-"""Helpers shared by the bench scripts that have no home in one of them."""
+"""What the bench scripts share: a private daemon and its log, the order of two sides,
+percentiles, number formats and tables, machine info and the results file.
+
+Each ``bench_*.py`` is one family of figures; a helper two of them need lives here.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+import supervisor
+from ipc.messages import RunnerInfo
+from supervisor.client import Client
+from supervisor.config import SupervisorConfig
+from supervisor.spawn import DaemonProcess
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+A = TypeVar("A")
+B = TypeVar("B")
+T = TypeVar("T")
+
+
+def note(message: str) -> None:
+    """Progress, on stderr (stdout is for the table)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- statistics ----------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between order statistics (numpy's default).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of nothing")
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def percentiles(values: Sequence[float], qs: Iterable[int]) -> dict[str, float]:
+    """``{"p50": ..., "p99": ...}``: the percentile of ``values`` for each q in ``qs``."""
+    return {f"p{q}": percentile(values, q) for q in qs}
+
+
+def median(values: Iterable[float]) -> float:
+    """The median, as a float; NaN when there are no values."""
+    items = list(values)
+    return float(statistics.median(items)) if items else math.nan
+
+
+# --- two sides, in turn ----------------------------------------------------------
+
+
+def alternate(index: int, first: T, second: T) -> tuple[T, T]:
+    """``(first, second)`` in even rounds, ``(second, first)`` in odd ones, so that neither
+    side always goes first, or always follows the other (or a drift of the machine)."""
+    return (first, second) if index % 2 == 0 else (second, first)
+
+
+def run_alternating(index: int, run_a: Callable[[], A], run_b: Callable[[], B]) -> tuple[A, B]:
+    """Run both sides one after the other, in the order ``alternate`` gives (``run_a``
+    first in even rounds); the results always as ``(a, b)``."""
+    if index % 2 == 0:
+        a = run_a()
+        return a, run_b()
+    b = run_b()
+    return run_a(), b
+
+
+# --- a private daemon ------------------------------------------------------------
+
+
+def spare_supported() -> bool:
+    """Whether this daemon keeps a hot spare (a pre-started runner) by default."""
+    return bool(getattr(SupervisorConfig(), "hot_spare", False))
+
+
+@dataclass
+class Daemon:
+    """A private daemon started for this run, and what to wait for before measuring."""
+
+    process: DaemonProcess
+    client: Client
+    keeps_spare: bool
+
+    @classmethod
+    def start(
+        cls,
+        stack: contextlib.ExitStack,
+        tmp: Path,
+        label: str,
+        config: str,
+        client_timeout_s: float | None = None,
+    ) -> Daemon:
+        """Start ``mlx-supervisor serve`` with ``config`` (TOML text) on ``tmp/LABEL.sock``.
+
+        An explicit config file, even an empty one, keeps a user's own config out, and
+        the daemon's state, runtime and config dirs are its own (under ``tmp/LABEL``), so
+        it neither reads a user's state nor leaves any behind. The builtin model cache
+        stays shared. When ``stack`` closes: SIGTERM (graceful), else SIGKILL; if the run
+        failed, the daemon's last log lines go to stderr.
+
+        Raises:
+            DaemonStartError: the daemon exited or did not start.
+        """
+        config_path = tmp / f"{label}.toml"
+        config_path.write_text(config, encoding="utf-8")
+        home = tmp / label
+        home.mkdir(mode=0o700)
+        env = {}
+        for variable, name in [("XDG_STATE_HOME", "state"), ("XDG_RUNTIME_DIR", "run"),
+                               ("XDG_CONFIG_HOME", "config")]:  # fmt: skip
+            (home / name).mkdir(mode=0o700)
+            env[variable] = str(home / name)
+        # No log file: its writes would be one more thing running in this (client) process.
+        process = DaemonProcess(tmp / f"{label}.sock", config_path, env=env)
+        stack.enter_context(process)
+
+        def show_log_on_error(exc_type: type[BaseException] | None, *_: object) -> bool:
+            if exc_type is not None:
+                tail = "\n".join(list(process.log_lines)[-20:])
+                note(f"the {label} daemon's last log lines:\n{tail}")
+            return False
+
+        stack.push(show_log_on_error)
+        keeps_spare = spare_supported() and "hot_spare = false" not in config
+        client = Client(process.socket_path, timeout_s=client_timeout_s)
+        return cls(process, client, keeps_spare)
+
+    def settle(self, timeout_s: float = 120.0) -> float:
+        """Wait until no runner is starting or loading and the hot spare (if the daemon
+        keeps one) has finished importing mlx, so that nothing of the daemon's runs
+        during the next measurement. Returns how long it took.
+
+        The client has no event to wait on, so this reads ``status`` every 20 ms.
+
+        Raises:
+            RuntimeError: not settled within ``timeout_s``.
+        """
+        started = time.perf_counter()
+        while True:
+            status = self.client.status()
+            spare = getattr(status, "spare", None)
+            spare_ok = not self.keeps_spare or (spare is not None and spare.warm)
+            if spare_ok and all(r.state == "ready" for r in status.runners):
+                return time.perf_counter() - started
+            if time.perf_counter() - started > timeout_s:
+                raise RuntimeError(f"daemon not settled after {timeout_s} s: {status}")
+            time.sleep(0.02)
+
+    def shutdown(self) -> dict[str, Any]:
+        """Ask the daemon to shut down; its exit code and the runners it stopped."""
+        ack = self.client.shutdown()
+        return {"code": self.process.wait(), "runners_at_shutdown": ack.runners}
+
+
+def runner_info(client: Client, name: str) -> RunnerInfo:
+    """``status`` of the runner serving ``name``.
+
+    Raises:
+        StopIteration: no runner serves ``name``.
+    """
+    return next(r for r in client.status().runners if r.name == name)
+
+
+# --- the daemon's log ------------------------------------------------------------
+
+
+def log_time(record: dict[str, Any]) -> float:
+    """A log record's ``timestamp`` (UTC ISO 8601, microseconds, ``Z``) as epoch seconds."""
+    return datetime.fromisoformat(str(record["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def log_records(daemon: DaemonProcess, event: str, **match: Any) -> list[dict[str, Any]]:
+    """The daemon's ``event`` records so far whose fields equal ``match``, oldest first."""
+    return [dict(r) for r in daemon.events(event) if all(r.get(k) == v for k, v in match.items())]
+
+
+def first_record(
+    daemon: DaemonProcess,
+    event: str,
+    *,
+    after: float | None = None,
+    timeout_s: float = 60.0,
+    **match: Any,
+) -> dict[str, Any]:
+    """The first ``event`` record matching ``match`` (and logged at or after wall time
+    ``after``), waiting for it to be logged.
+
+    Raises:
+        TimeoutError: none within ``timeout_s``.
+    """
+    found: list[dict[str, Any]] = []
+
+    def seen() -> bool:
+        found[:] = [
+            r for r in log_records(daemon, event, **match) if after is None or log_time(r) >= after
+        ]
+        return bool(found)
+
+    daemon.wait_until(seen, timeout_s=timeout_s)
+    return found[0]
+
+
+# --- processes -------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def cpu_s_each(pids: dict[str, int | None]) -> dict[str, float]:
+    """``cpu_s`` of each named process; one that is None or gone is left out."""
+    seconds = {}
+    for label, pid in pids.items():
+        if pid is not None:
+            with contextlib.suppress(psutil.Error):
+                seconds[label] = cpu_s(pid)
+    return seconds
+
+
+def children_left() -> list[int]:
+    """Our child processes still alive, but multiprocessing's resource tracker
+    (it lives as long as this process)."""
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                left.append(child.pid)
+    return left
+
+
+# --- numbers and tables ----------------------------------------------------------
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """``value * scale`` formatted with ``spec``, then ``unit``; ``-`` for None."""
+    return "-" if value is None else f"{value * scale:{spec}}{unit}"
+
+
+def ms(value: float | None, spec: str = ".3f") -> str:
+    """Seconds shown in milliseconds."""
+    return fmt(value, spec, 1000, " ms")
+
+
+def signed_ms(value: float | None) -> str:
+    """A difference in seconds, shown in milliseconds with its sign."""
+    return ms(value, "+.3f")
+
+
+def cpu_time(value: float | None) -> str:
+    """CPU seconds: in microseconds, or milliseconds from 10 ms up."""
+    if value is not None and value >= 0.01:
+        return fmt(value, ".1f", 1e3, " ms")
+    return fmt(value, ".0f", 1e6, " us")
+
+
+def mib(value: float | None) -> str:
+    """Bytes shown in MiB."""
+    return fmt(value, ".0f", 1 / 2**20, " MiB")
+
+
+def ratio(measured: float | None, anchor: float | None) -> str:
+    """``measured / anchor`` as ``1.23x``; ``-`` when either is missing (or zero)."""
+    return "-" if measured is None or not anchor else f"{measured / anchor:.2f}x"
+
+
+def verdict(ok: bool | None) -> str:
+    """The target column: PASS, FAIL, or ``-`` where nothing was checked."""
+    return "-" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def render_table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, a rule under the header (if there is one)."""
+    table = [*([header] if header is not None else []), *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [
+        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table
+    ]
+    if header is not None:
+        lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
+    return "\n".join(lines)
+
+
+# --- machine info and the results file -------------------------------------------
 
 
 def mlx_device() -> str:
@@ -17,12 +321,62 @@ def mlx_device() -> str:
     return done.stdout.strip() or f"unknown (exit {done.returncode})"
 
 
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell, a rule under the header."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
-        for row in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
-    return "\n".join(lines)
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def git_state() -> dict[str, Any]:
+    """This tree's commit, how many files under src/ differ from it, and where the
+    ``supervisor`` package was imported from (PYTHONPATH can point elsewhere)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=BENCH_DIR.parent, capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "src")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "src_dirty_files": len(dirty.splitlines()),
+        "supervisor_package": str(Path(supervisor.__file__).parent),
+    }
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    return list(os.getloadavg())
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Platform, CPU, memory, python, mlx and mlx-lm versions, the mlx ``device``, the
+    date and load average (now) and the git state. Results add ``loadavg_end``."""
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_total_bytes": int(psutil.virtual_memory().total),
+        "python": sys.version.split()[0],
+        "python_executable": sys.executable,
+        "mlx": metadata.version("mlx"),
+        "mlx_lm": metadata.version("mlx-lm"),
+        "mlx_device": device,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "loadavg_start": load_average(),
+        "git": git_state(),
+    }
+
+
+def write_json(results: dict[str, Any], out: Path) -> None:
+    """Write ``results`` to ``out`` (indented), atomically: a temp file, then a rename."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, out)

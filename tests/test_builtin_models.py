@@ -64,9 +64,23 @@ def tiny(tiny_dir: Path) -> tuple[Any, Any]:
     return _load(tiny_dir)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tiny_dir: Path) -> Path:
+    return ensure_builtin_model("builtin:tiny-qwen3", tiny_dir.parent)
+
+
+def _greedy_tokens(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> list[int]:
+    import mlx_lm
+
+    model, tokenizer = loaded
+    return [
+        r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+    ]
+
+
 def test_names() -> None:
     assert BUILTIN_PREFIX == "builtin:"
-    assert BUILTIN_NAMES == ("tiny", "small")
+    assert BUILTIN_NAMES == ("tiny", "small", "tiny-qwen3")
     assert is_builtin("builtin:tiny")
     assert is_builtin("builtin:nope")
     assert not is_builtin("mlx-community/Qwen3-0.6B-4bit")
@@ -86,6 +100,7 @@ def test_unknown_name(name: str, tmp_path: Path) -> None:
         ensure_builtin_model(name, tmp_path)
     assert "builtin:tiny" in str(info.value)
     assert "builtin:small" in str(info.value)
+    assert "builtin:tiny-qwen3" in str(info.value)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -289,3 +304,72 @@ def test_small_builds_and_loads_strictly(tmp_path: Path) -> None:
     logits = model(mx.array([[builtin.BOS_TOKEN_ID, *tokenizer.encode("hi")]]))
     assert logits.dtype == mx.bfloat16
     assert bool(mx.all(mx.isfinite(logits)).item())
+
+
+# --------------------------------------------------------------------------------------------
+# builtin:tiny-qwen3: a second architecture
+# --------------------------------------------------------------------------------------------
+
+
+def test_tiny_qwen3_is_a_qwen3_model_with_tinys_tokenizer(
+    tiny_qwen3_dir: Path, tiny_dir: Path
+) -> None:
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+
+    assert tiny_qwen3_dir.name == f"tiny-qwen3-v{builtin.RECIPE_VERSION}"
+    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+    assert config["tie_word_embeddings"] is False
+    # Same tokenizer and chat template as the llama builtins.
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tiny_qwen3_dir / name).read_bytes() == (tiny_dir / name).read_bytes()
+
+    model, tokenizer = _load(tiny_qwen3_dir)  # plain mlx_lm.load: strict weight loading
+    assert isinstance(model, qwen3.Model)
+    assert (model.args.hidden_size, model.args.num_hidden_layers) == (64, 2)
+    assert (model.args.num_attention_heads, model.args.num_key_value_heads) == (4, 2)
+    assert (model.args.head_dim, model.args.intermediate_size) == (16, 192)
+    attention = model.model.layers[0].self_attn
+    for norm in (attention.q_norm, attention.k_norm):
+        assert norm.weight.shape == (16,)
+        assert bool(mx.all(norm.weight == 1).item())
+    logits = model(mx.array([tokenizer.encode("hello world")]))
+    assert logits.dtype == mx.float32
+    assert bool(mx.all(mx.isfinite(logits)).item())
+
+
+def test_tiny_qwen3_greedy_decoding_is_deterministic(
+    tiny_qwen3_dir: Path, tiny: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """A second build, loaded separately, is byte-identical and greedy-decodes the same tokens;
+    they differ from tiny's, so it really is another model."""
+    other_dir = ensure_builtin_model("tiny-qwen3", tmp_path)
+    assert _files(other_dir) == _files(tiny_qwen3_dir)
+
+    first = _greedy_tokens(_load(tiny_qwen3_dir), "hello", 40)
+    second = _greedy_tokens(_load(other_dir), "hello", 40)
+
+    assert first == second
+    assert len(first) == 40  # special tokens have zeroed output rows: no early stop
+    assert first != _greedy_tokens(tiny, "hello", 40)
+
+
+def test_tiny_qwen3_parameter_bytes_match_the_recipe(
+    tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mlx.utils import tree_flatten
+
+    from supervisor.memory.estimate import estimate_reference
+
+    model, _ = _load(tiny_qwen3_dir)
+    loaded = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+    config, recipe_bytes = builtin.builtin_config_and_weight_bytes("builtin:tiny-qwen3")
+
+    assert loaded == recipe_bytes == 4 * builtin.param_count("builtin:tiny-qwen3")
+    assert config == json.loads((tiny_qwen3_dir / "config.json").read_text())
+    # The estimator, asked before the model is built, plans for those very bytes.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    estimate = estimate_reference("builtin:tiny-qwen3")
+    assert estimate is not None
+    assert (estimate.weights_source, estimate.weights_bytes) == ("builtin", loaded)

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import DaemonFactory, assert_reaped, wait_exited
 from ipc import Codec
-from ipc.messages import PROTOCOL_VERSION, Hello, ServerMessage, StatusRequest
+from ipc.messages import PROTOCOL_VERSION, GenerationDone, Hello, ServerMessage, StatusRequest
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
 from supervisor.spawn import DaemonProcess
@@ -142,32 +142,54 @@ def test_client_vanishing_mid_stream_leaves_runner_ready(client: Client) -> None
     assert runner.state == "ready"
 
 
-def test_requests_to_one_runner_are_served_in_order(client: Client) -> None:
-    client.load("builtin:tiny")
-    events: list[tuple[str, str]] = []
+def two_streams_at_once(
+    client: Client, name: str, tokens: int = 60
+) -> tuple[list[str], dict[str, GenerationDone]]:
+    """Start generation a, and b once a has streamed; the tags of the frames
+    in the order they arrived, and each one's GenerationDone."""
+    events: list[str] = []
+    dones: dict[str, GenerationDone] = {}
     lock = threading.Lock()
     first_started = threading.Event()
 
     def run(tag: str) -> None:
-        with client.generate("tiny", PROMPT, max_tokens=60) as gen:
+        with client.generate(name, PROMPT, max_tokens=tokens) as gen:
             for _ in gen:
                 with lock:
-                    events.append((tag, "chunk"))
+                    events.append(tag)
                 first_started.set()
-        with lock:
-            events.append((tag, "done"))
+        assert gen.done is not None
+        dones[tag] = gen.done
 
     a = threading.Thread(target=run, args=("a",))
     a.start()
-    first_started.wait(30)
+    assert first_started.wait(30)
     b = threading.Thread(target=run, args=("b",))
     b.start()
     a.join(60)
     b.join(60)
-    tags = [tag for tag, _ in events]
-    assert tags.count("a") == 61 and tags.count("b") == 61
-    # b's frames all come after a has finished: one generation at a time.
-    assert tags.index("b") > max(i for i, (tag, kind) in enumerate(events) if tag == "a")
+    return events, dones
+
+
+def test_requests_to_a_one_at_a_time_runner_are_served_in_order(client: Client) -> None:
+    client.load("builtin:tiny", max_concurrent=1)
+    (runner,) = client.status().runners
+    assert (runner.max_concurrent, runner.batching) == (1, False)
+    assert runner.batching_reason == "max_concurrent is 1"
+    events, dones = two_streams_at_once(client, "tiny")
+    assert dones["a"].generation_tokens == dones["b"].generation_tokens == 60
+    assert not dones["a"].batched and not dones["b"].batched
+    # b's frames all come after a's last: one generation at a time.
+    assert events.index("b") > max(i for i, tag in enumerate(events) if tag == "a")
+
+
+def test_requests_to_one_runner_are_served_side_by_side(client: Client) -> None:
+    client.load("builtin:tiny")
+    events, dones = two_streams_at_once(client, "tiny", tokens=600)  # a lasts a second or two
+    assert dones["a"].generation_tokens == dones["b"].generation_tokens == 600
+    # b joined a's batch: its frames came while a still streamed.
+    assert dones["b"].batched and dones["a"].batched
+    assert events.index("b") < max(i for i, tag in enumerate(events) if tag == "a")
 
 
 def test_unload_reaps_the_runner(client: Client) -> None:

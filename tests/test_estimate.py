@@ -405,7 +405,7 @@ def mlx_tensor_bytes(model_dir: Path) -> int:
     return total
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:small"])
+@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:small", "builtin:tiny-qwen3"])
 def test_builtin_weights_match_the_bytes_mlx_loads(model: str) -> None:
     model_dir = ensure_builtin_model(model)
 
@@ -418,7 +418,7 @@ def test_builtin_weights_match_the_bytes_mlx_loads(model: str) -> None:
     assert abs(estimate.weights_bytes - loaded) <= 0.05 * loaded
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:small"])
+@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:small", "builtin:tiny-qwen3"])
 def test_builtin_estimate_from_the_recipe_matches_the_built_directory(
     model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

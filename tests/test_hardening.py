@@ -201,10 +201,10 @@ def test_failed_handshakes_and_loads_leak_no_fds_or_children(start_daemon: Daemo
         return proc.num_fds()
 
     fds_before, children_before = quiet_fds(), len(proc.children())
-    for i in range(20):
+    for i in range(12):
         with pytest.raises(ClientError, match="handshake"):
             client.load("builtin:tiny", f"h{i}", env=faults("exit_in_handshake"))
-    for i in range(15):
+    for i in range(10):
         with pytest.raises(ClientError) as excinfo:
             client.load("builtin:tiny", f"i{i}", env=faults("exit_at_import"))
         assert excinfo.value.code == "load_failed"
@@ -263,8 +263,10 @@ def test_a_client_that_stops_reading_does_not_block_its_model(
         text, done = client.generate_text("tiny", PROMPT, max_tokens=4)
         assert text and done.finish_reason == "length"
         assert time.monotonic() - started < 30
+        # Served beside the stuck one; that one is dropped once its write deadline passes.
+        daemon.wait_until(lambda: bool(daemon.events("client_gone")), timeout_s=30)
         gone = daemon.events("client_gone")
-        assert gone and gone[0]["model"] == "tiny"
+        assert gone[0]["model"] == "tiny"
     finally:
         stuck.close()
 
@@ -414,7 +416,7 @@ def test_queue_bound_refuses_busy_at_once_and_changes_nothing(
 ) -> None:
     daemon = start_daemon("max_queue = 2\nhot_spare = false\n")
     client = Client(daemon.socket_path, timeout_s=60)
-    client.load("builtin:tiny")
+    client.load("builtin:tiny", max_concurrent=1)  # one at a time: the others wait in line
     finished: dict[str, str] = {}
 
     def wait_in_line(name: str) -> None:
@@ -449,7 +451,7 @@ def test_waiting_requests_are_told_their_position_as_they_move(
 ) -> None:
     daemon = start_daemon("hot_spare = false\n")
     client = Client(daemon.socket_path, timeout_s=60)
-    client.load("builtin:tiny")
+    client.load("builtin:tiny", max_concurrent=1)  # one at a time: the others wait in line
     with client.generate("tiny", PROMPT, max_tokens=100_000) as long:
         next(long)
         first = raw_connect(daemon.socket_path)

@@ -173,6 +173,9 @@ def _instance(cls: type[msgspec.Struct], counter: Iterator[int] | None = None) -
     info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)
     kwargs = {f.name: _value_for(f.type, f.name, counter) for f in info.fields}
+    for f in info.fields:  # a bool that defaults to True is set False
+        if isinstance(f.type, msgspec.inspect.BoolType) and f.default is True:
+            kwargs[f.name] = False
     return cls(**kwargs)
 
 

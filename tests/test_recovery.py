@@ -185,7 +185,7 @@ def test_request_that_streamed_is_not_replayed(start_daemon: DaemonFactory) -> N
 def test_queued_requests_wait_for_the_restart(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon(FAST)
     client = Client(daemon.socket_path)
-    loaded = client.load("builtin:tiny")
+    loaded = client.load("builtin:tiny", max_concurrent=1)  # the second one waits in line
     results: list[object] = []
     with client.generate("tiny", PROMPT, max_tokens=100_000) as gen:
         next(gen)

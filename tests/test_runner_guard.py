@@ -9,7 +9,6 @@ exit audit, Pong figures).
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,8 @@ import mlx.core as mx
 import pytest
 
 from ipc.messages import (
+    EngineReport,
+    EngineSettings,
     ExitAudit,
     Generate,
     GenerationDone,
@@ -33,9 +34,9 @@ from ipc.messages import (
     Started,
     TextChunk,
 )
-from runner import generation
+from runner import engine as engine_module
+from runner.engine import Engine
 from runner.faults import Faults
-from runner.generation import run_generation
 from runner.guard import (
     CACHE_FRACTION_OF_LIMIT,
     CHECK_EVERY_TOKENS,
@@ -251,17 +252,23 @@ def generate(
     cap: int | None = None,
     sent: list[Any] | None = None,
 ) -> GenerationDone:
-    request = Generate(1, prompt=PROMPT, sampling=SamplingParams(max_tokens=max_tokens))
-    return run_generation(
+    """One request through an in-process engine (no prefix cache), to its end."""
+    frames: list[Any] = sent if sent is not None else []
+    engine = Engine(
         model.model,
         model.tokenizer,
-        request,
-        max_tokens_cap=cap,
-        cancelled=threading.Event(),
-        send=(sent.append if sent is not None else lambda message: None),
-        faults=Faults(faults),
+        EngineSettings(prefix_cache=False),
         guard=guard,
+        faults=Faults(faults),
+        send=frames.append,
+        is_cancelled=lambda request_id: False,
+        on_finished=lambda request_id, tokens: None,
+        max_tokens_cap=cap,
     )
+    engine.submit(Generate(1, prompt=PROMPT, sampling=SamplingParams(max_tokens=max_tokens)))
+    while not engine.idle:
+        engine.step()
+    return next(f for f in frames if isinstance(f, GenerationDone))
 
 
 @pytest.mark.usefixtures("mlx_limits_restored")
@@ -356,7 +363,7 @@ def test_requests_over_the_token_cap_are_clamped_and_told(tiny: LoadedModel) -> 
 def test_heartbeats_carry_memory_figures(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(generation, "HEARTBEAT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(engine_module, "HEARTBEAT_INTERVAL_S", 0.0)
     sent: list[Any] = []
     generate(tiny, MemoryGuard(), max_tokens=20, sent=sent)
     beats = [m for m in sent if isinstance(m, Heartbeat)]
@@ -420,8 +427,8 @@ def test_pongs_carry_the_latest_figures_and_the_audit_counts_what_was_served() -
                 pass
             assert done.max_tokens_clamped_to == 8
         channel.send(Shutdown("test"))
-        audit = channel.recv()
-        assert isinstance(audit, ExitAudit)
+        while not isinstance(audit := channel.recv(), ExitAudit):
+            assert isinstance(audit, EngineReport), audit
         assert (audit.tokens_served, audit.requests_served) == (16, 2)
         assert audit.peak_bytes >= event.param_bytes and audit.cause_class is None
         assert proc.wait(timeout=10) == 0

@@ -100,7 +100,18 @@ class AsyncChannel(Generic[T]):
         Raises:
             ChannelClosed: the peer has gone away.
         """
-        frame = self.codec.frame(message)
+        await self._send_frame(self.codec.frame(message))
+
+    async def send_body(self, body: bytes) -> None:
+        """Write one frame whose body is already encoded (a relayed frame).
+
+        Raises:
+            ChannelClosed: the peer has gone away.
+            ProtocolError: the body is over the frame limit.
+        """
+        await self._send_frame(self.codec.frame_body(body))
+
+    async def _send_frame(self, frame: bytes) -> None:
         async with self._send_lock:
             try:
                 await self.stream.send(frame)
@@ -127,6 +138,12 @@ class AsyncChannel(Generic[T]):
             ProtocolError: malformed, oversized, truncated or wrong-typed frame.
         """
         return self.codec.decode(await self._next_body())
+
+    async def recv_with_body(self) -> tuple[T, bytes]:
+        """Like :meth:`recv`, also returning the frame's body as it came, so a
+        relay can pass the frame on without encoding it again."""
+        body = await self._next_body()
+        return self.codec.decode(body), body
 
     async def handshake(self, role: Role, expect_role: Role, software_version: str = "") -> Hello:
         """Send our Hello, read and check the peer's. Returns the peer's Hello."""

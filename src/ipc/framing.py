@@ -60,6 +60,18 @@ class Codec(Generic[T]):
             )
         return HEADER.pack(len(body)) + body
 
+    def frame_body(self, body: bytes) -> bytes:
+        """A frame around a body encoded elsewhere (a frame relayed as it came).
+
+        Raises:
+            ProtocolError: the body exceeds ``max_frame_bytes``.
+        """
+        if len(body) > self.max_frame_bytes:
+            raise ProtocolError(
+                f"outgoing frame is {len(body)} bytes, over the {self.max_frame_bytes}-byte limit"
+            )
+        return HEADER.pack(len(body)) + body
+
     def decode(self, body: bytes | memoryview) -> T:
         """Decode one frame body. Raises ProtocolError on any bad input."""
         try:

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -117,6 +117,35 @@ class GenerationDone(msgspec.Struct, tag="done"):
     finish_reason: FinishReason
     max_tokens_clamped_to: int | None = None  # the request asked for more than the model's cap
     detail: str | None = None  # why it ended early (memory_pressure: the numbers)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
+    batched: bool = False  # served in a batch beside other requests (for part of it at least)
+
+
+class PrefixCacheStats(msgspec.Struct, frozen=True):
+    """A runner's KV prefix cache: what it holds and how it has done."""
+
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    tokens_reused: int = 0
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """A runner's engine: requests in flight and the prefix cache.
+
+    ``batching`` is False (with ``batching_reason``) when the model's caches
+    cannot be merged into one batch: its requests then run one at a time.
+    """
+
+    active_requests: int = 0
+    max_concurrent: int = 1
+    queued: int = 0  # received by the runner, waiting for room in the batch
+    batching: bool = False
+    batching_reason: str | None = None
+    prefix_cache: PrefixCacheStats | None = None  # None: switched off for this model
 
 
 # --- client -> supervisor ----------------------------------------------------
@@ -137,6 +166,8 @@ class LoadRequest(msgspec.Struct, tag="load"):
     keep_alive_s: float | None = None  # unload after this long idle (0: never)
     pinned: bool | None = None  # never evicted nor expired
     context_tokens: int | None = None  # the context the memory estimate plans for
+    max_concurrent: int | None = None  # requests served side by side (1: one at a time)
+    prefix_cache: bool | None = None  # keep a KV prefix cache
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -154,6 +185,13 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
+    cache: bool = True  # False: neither use nor fill the prefix cache
+
+
+class CacheClearRequest(msgspec.Struct, tag="cache_clear"):
+    """Drop a model's prefix cache (its runner stays loaded)."""
+
+    name: str
 
 
 class CancelRequest(msgspec.Struct, tag="cancel"):
@@ -165,7 +203,13 @@ class ShutdownRequest(msgspec.Struct, tag="shutdown"):
 
 
 ClientMessage = (
-    LoadRequest | UnloadRequest | StatusRequest | GenerateRequest | CancelRequest | ShutdownRequest
+    LoadRequest
+    | UnloadRequest
+    | StatusRequest
+    | GenerateRequest
+    | CancelRequest
+    | ShutdownRequest
+    | CacheClearRequest
 )
 
 # --- supervisor -> client ----------------------------------------------------
@@ -248,6 +292,11 @@ class RunnerInfo(msgspec.Struct):
     pinned: bool = False
     keep_alive_s: float = 0.0  # 0: kept loaded until unloaded
     last_used_at: float | None = None  # wall-clock end of its last request (or load)
+    active_requests: int = 0  # being generated now
+    max_concurrent: int = 1  # served side by side at most
+    batching: bool | None = None  # None until loaded
+    batching_reason: str | None = None  # why not, when batching is False
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class SpareInfo(msgspec.Struct):
@@ -273,6 +322,14 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
 
 class ShutdownAck(msgspec.Struct, tag="shutdown_ack"):
     runners: int
+
+
+class CacheCleared(msgspec.Struct, tag="cache_cleared"):
+    """Runner -> supervisor -> client: the prefix cache was dropped."""
+
+    name: str
+    entries: int
+    bytes: int
 
 
 class Queued(msgspec.Struct, tag="queued"):
@@ -318,6 +375,7 @@ ServerMessage = (
     | StatusReply
     | ShutdownAck
     | ErrorReply
+    | CacheCleared
 )
 
 # --- supervisor -> runner ----------------------------------------------------
@@ -345,6 +403,19 @@ class MemoryPlan(msgspec.Struct, frozen=True):
     wired_limit_bytes: int | None = None  # Metal only: this runner's wired limit
 
 
+class EngineSettings(msgspec.Struct, frozen=True):
+    """How a runner serves requests: side by side, and with a prefix cache.
+
+    ``prefix_cache_bytes`` None: a quarter of the memory plan's budget, or
+    of the memory available at load without a budget.
+    """
+
+    max_concurrent: int = 8
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None
+    prefix_cache_entries: int = 256
+
+
 class LoadModel(msgspec.Struct, tag="load_model"):
     """Load ``model``. ``faults`` adds fault injection (see runner.faults) to a
     runner that was started without it, such as the hot spare."""
@@ -354,6 +425,7 @@ class LoadModel(msgspec.Struct, tag="load_model"):
     max_tokens_cap: int | None = None
     faults: str = ""
     memory: MemoryPlan | None = None
+    engine: EngineSettings = EngineSettings()
 
 
 class Generate(msgspec.Struct, tag="generate"):
@@ -361,6 +433,7 @@ class Generate(msgspec.Struct, tag="generate"):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
+    cache: bool = True  # False: neither use nor fill the prefix cache
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -375,7 +448,11 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     reason: str = "unload"
 
 
-RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown
+class ClearCache(msgspec.Struct, tag="clear_cache"):
+    """Drop the prefix cache; the runner answers :class:`CacheCleared`."""
+
+
+RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache
 
 # --- runner -> supervisor ----------------------------------------------------
 
@@ -403,6 +480,7 @@ class Ready(msgspec.Struct, tag="ready"):
     active_bytes: int
     peak_bytes: int
     load_s: float
+    engine: EngineStats = EngineStats()
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed"):
@@ -420,6 +498,13 @@ class Pong(msgspec.Struct, tag="pong"):
 
     seq: int
     memory: MemoryFigures = MemoryFigures()
+    engine: EngineStats | None = None  # the main thread's latest, once a model is loaded
+
+
+class EngineReport(msgspec.Struct, tag="engine_report"):
+    """The engine's figures, sent after each request ends and each cache change."""
+
+    engine: EngineStats
 
 
 class ExitAudit(msgspec.Struct, tag="exit_audit"):
@@ -445,4 +530,6 @@ RunnerEvent = (
     | GenerationFailed
     | Pong
     | ExitAudit
+    | EngineReport
+    | CacheCleared
 )

@@ -1,7 +1,9 @@
-"""Offline "builtin" models: random-weight llama models with a real byte-level BPE tokenizer.
+"""Offline "builtin" models: random-weight llama and qwen3 models with a real byte-level BPE
+tokenizer.
 
-``builtin:tiny`` and ``builtin:small`` are written on first use as ordinary Hugging Face-style
-model directories (``config.json``, ``model.safetensors``, ``tokenizer.json``,
+``builtin:tiny``, ``builtin:small`` (llama) and ``builtin:tiny-qwen3`` (qwen3, a second
+architecture for tests) are written on first use as ordinary Hugging Face-style model
+directories (``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json``, ``special_tokens_map.json``) so that ``mlx_lm.load(path)`` loads them
 through its normal path: strict weight loading, ``AutoTokenizer`` from the local directory, no
 network. Everything is deterministic: the tokenizer is trained on a corpus embedded in this
@@ -104,6 +106,8 @@ class _Spec:
     # decodes float16 about 3x slower than bfloat16 here (2.2 vs 6.8 tok/s).
     dtype: str
     seed: int
+    # The mlx_lm.models module (and config model_type) the files are written for.
+    architecture: str = "llama"
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +140,20 @@ _SPECS: dict[str, _Spec] = {
         max_position_embeddings=8192,
         dtype="bfloat16",
         seed=0x5A11,
+    ),
+    # tiny's shape as a qwen3 model (per-head q/k RMSNorm), so that tests can check behaviour
+    # such as the KV prefix cache on a second architecture.
+    "tiny-qwen3": _Spec(
+        name="tiny-qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        max_position_embeddings=4096,
+        dtype="float32",
+        seed=0x7E13,
+        architecture="qwen3",
     ),
 }
 
@@ -179,7 +197,7 @@ def builtin_cache_dir() -> Path:
 def ensure_builtin_model(model: str, cache_dir: Path | None = None) -> Path:
     """Return the directory of builtin ``model``, creating it on first use.
 
-    ``model`` is ``"builtin:tiny"`` / ``"builtin:small"`` or a bare ``"tiny"`` / ``"small"``.
+    ``model`` is ``"builtin:NAME"`` or a bare ``"NAME"``, NAME one of ``BUILTIN_NAMES``.
     Raises ValueError naming the known builtins for an unknown name. Safe to call from several
     processes at once: all of them get the same complete directory.
     """
@@ -363,10 +381,27 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+# Per architecture: the config keys that differ (the values real checkpoints of it use).
+_ARCHITECTURE_CONFIG: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "mlp_bias": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+    },
+}
+
+
 def _model_config(spec: _Spec, vocab_size: int) -> dict[str, Any]:
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **_ARCHITECTURE_CONFIG[spec.architecture],
+        "model_type": spec.architecture,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_hidden_layers,
         "num_attention_heads": spec.num_attention_heads,
@@ -374,13 +409,10 @@ def _model_config(spec: _Spec, vocab_size: int) -> dict[str, Any]:
         "head_dim": spec.head_dim,
         "intermediate_size": spec.intermediate_size,
         "hidden_act": "silu",
-        "rms_norm_eps": 1e-5,
         "vocab_size": vocab_size,
         "max_position_embeddings": spec.max_position_embeddings,
-        "rope_theta": 10000.0,
         "rope_scaling": None,
         "attention_bias": False,
-        "mlp_bias": False,
         # Untied so that the special tokens keep ordinary (random) input embeddings while their
         # output rows are zeroed; costs vocab_size * hidden_size parameters (a few MB for small).
         "tie_word_embeddings": False,
@@ -466,7 +498,10 @@ def _tokenizer_json() -> str:
 
 
 def _weight_shapes(spec: _Spec, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter of mlx_lm.models.llama.Model for ``spec``, in a fixed order."""
+    """Every parameter of mlx_lm.models.<spec.architecture>.Model for ``spec``, in a fixed order.
+
+    qwen3 is llama plus an RMSNorm over each attention head's queries and keys (q_norm, k_norm).
+    """
     d, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab_size, d))]
@@ -478,6 +513,13 @@ def _weight_shapes(spec: _Spec, vocab_size: int) -> list[tuple[str, tuple[int, .
             (p + "self_attn.k_proj.weight", (kv_out, d)),
             (p + "self_attn.v_proj.weight", (kv_out, d)),
             (p + "self_attn.o_proj.weight", (d, q_out)),
+        ]
+        if spec.architecture == "qwen3":
+            shapes += [
+                (p + "self_attn.q_norm.weight", (hd,)),
+                (p + "self_attn.k_norm.weight", (hd,)),
+            ]
+        shapes += [
             (p + "post_attention_layernorm.weight", (d,)),
             (p + "mlp.gate_proj.weight", (spec.intermediate_size, d)),
             (p + "mlp.up_proj.weight", (spec.intermediate_size, d)),

@@ -18,20 +18,20 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import structlog
 
 from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
+    CacheCleared,
     Cancel,
     CauseClass,
+    ClearCache,
     ExitAudit,
     Generate,
-    GenerationDone,
     GenerationFailed,
-    Heartbeat,
     LoadFailed,
     LoadModel,
     LoadProgress,
@@ -46,6 +46,9 @@ from ipc.messages import (
 from runner.faults import Faults
 from runner.guard import MemoryGuard, MemoryGuardError
 from runner.logs import configure_logging
+
+if TYPE_CHECKING:
+    from runner.engine import Engine
 
 EXIT_ORPHANED = 70  # the supervisor went away
 EXIT_PROTOCOL = 71  # the supervisor sent something we cannot read
@@ -90,14 +93,12 @@ def disable_core_dumps() -> None:
 
 
 class Runner:
-    """State of the runner process: the model, the current request, the pipe."""
+    """State of the runner process: the model, its engine, the pipe."""
 
     def __init__(self, channel: BlockingChannel[RunnerCommand], faults: Faults) -> None:
         self.channel = channel
         self.faults = faults
         self.commands: queue.Queue[RunnerCommand] = queue.Queue()
-        self.cancelled = threading.Event()  # the current request's
-        self.current_request: int | None = None
         # Requests received but not finished, and which of them were cancelled:
         # a Cancel that overtakes its request's start is kept, never lost.
         self.pending: set[int] = set()
@@ -106,6 +107,7 @@ class Runner:
         self.name = "?"
         self.model: Any = None
         self.tokenizer: Any = None
+        self.engine: Engine | None = None
         self.max_tokens_cap: int | None = None
         # Limits and guards; its ``figures`` are what the reader thread's Pongs carry.
         self.guard = MemoryGuard()
@@ -136,14 +138,14 @@ class Runner:
             if isinstance(command, Ping):
                 # No mlx call here: liveness must not depend on what mlx is doing.
                 # The figures are those the main thread measured last.
+                engine = self.engine
+                stats = engine.stats_snapshot if engine is not None else None
                 with contextlib.suppress(OSError):
-                    self.channel.send(Pong(command.seq, self.guard.figures))
+                    self.channel.send(Pong(command.seq, self.guard.figures, stats))
                 continue
             if isinstance(command, Cancel):
                 with self._lock:
-                    if command.request_id == self.current_request:
-                        self.cancelled.set()
-                    elif command.request_id in self.pending:
+                    if command.request_id in self.pending:
                         self.cancelled_ids.add(command.request_id)
                 continue
             if isinstance(command, Generate):
@@ -153,23 +155,42 @@ class Runner:
                 if "ignore_shutdown" in self.faults:
                     log.warning("fault_ignoring_shutdown")
                     continue
-                with self._lock:  # finish the current request, and any queued, early
+                with self._lock:  # finish the requests in flight, and any queued, early
                     self.shutting_down = True
-                    self.cancelled.set()
             self.commands.put(command)
 
     # --- the main thread -----------------------------------------------------
 
     def serve(self) -> str:
-        """Handle commands until Shutdown; return the exit cause."""
+        """Handle commands and step the engine until Shutdown; return the exit cause.
+
+        With requests in flight, the commands that came in are taken between
+        two engine steps (a step is one token of every running request, or
+        a prefill chunk); otherwise the loop sleeps until the next command.
+        """
         while True:
-            command = self.commands.get()
+            engine = self.engine
+            busy = engine is not None and not engine.idle
+            try:
+                command = self.commands.get_nowait() if busy else self.commands.get()
+            except queue.Empty:
+                command = None
             if isinstance(command, Shutdown):
+                if engine is not None and not engine.idle:
+                    engine.step()  # the requests in flight end as cancelled first
+                    self.commands.put(command)
+                    continue
                 return f"shutdown: {command.reason}"
             if isinstance(command, LoadModel):
                 self.load(command)
             elif isinstance(command, Generate):
                 self.generate(command)
+            elif isinstance(command, ClearCache):
+                entries, nbytes = engine.clear_cache() if engine is not None else (0, 0)
+                log.info("prefix_cache_cleared", entries=entries, bytes=nbytes)
+                self.channel.send(CacheCleared(self.name, entries, nbytes))
+            if command is None and engine is not None:
+                engine.step()
 
     def load(self, command: LoadModel) -> None:
         """Load the model of ``command`` under its memory plan; send Ready.
@@ -233,69 +254,65 @@ class Runner:
             raise RunnerExit(EXIT_LOAD_FAILED, f"load failed: {error}") from exc
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.guard.refresh()
+        from runner.engine import Engine
+
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            command.engine,
+            guard=self.guard,
+            faults=self.faults,
+            send=self.send_generation,
+            is_cancelled=self.is_cancelled,
+            on_finished=self.request_finished,
+            max_tokens_cap=self.max_tokens_cap,
+        )
+        stats = self.engine.stats_snapshot
         active, peak = self.guard.figures.active_bytes, self.guard.figures.peak_bytes
         log.info(
-            "ready", path=str(loaded.path), param_bytes=loaded.param_bytes, load_s=loaded.load_s
+            "ready",
+            path=str(loaded.path),
+            param_bytes=loaded.param_bytes,
+            load_s=loaded.load_s,
+            max_concurrent=stats.max_concurrent,
+            batching=stats.batching,
+            batching_reason=stats.batching_reason,
+            prefix_cache_bytes=stats.prefix_cache.budget_bytes if stats.prefix_cache else None,
         )
-        self.channel.send(Ready(str(loaded.path), loaded.param_bytes, active, peak, loaded.load_s))
+        self.channel.send(
+            Ready(str(loaded.path), loaded.param_bytes, active, peak, loaded.load_s, stats)
+        )
         self.faults.when_idle()
 
     def generate(self, request: Generate) -> None:
-        from runner.generation import run_generation
+        """Hand ``request`` to the engine (which answers for it from then on)."""
+        if self.engine is None:
+            self.channel.send(GenerationFailed(request.request_id, "RuntimeError: no model loaded"))
+            self.request_finished(request.request_id, None)
+            return
+        self.engine.submit(request)
 
-        with self._lock:
-            self.current_request = request.request_id
-            self.cancelled.clear()
-            if request.request_id in self.cancelled_ids or self.shutting_down:
-                self.cancelled.set()
-
-        def send(message: TextChunk | Heartbeat) -> None:
-            tokens = message.generation_tokens if isinstance(message, TextChunk) else 0
+    def send_generation(self, message: msgspec.Struct) -> None:
+        """The engine's way out: frames of its requests (and fault injection)."""
+        if isinstance(message, TextChunk):
+            tokens = message.generation_tokens
             if tokens and self.faults.garbage_due(tokens):
                 # A length prefix, then a body no msgpack decoder accepts.
                 os.write(self.channel.write_fd, b"\x00\x00\x00\x04\xc1\xc1\xc1\xc1")
-            self.channel.send(message)
+        self.channel.send(message)
 
-        try:
-            if self.cancelled.is_set():  # cancelled before it started
-                self.channel.send(GenerationDone(request.request_id, 0, 0, 0.0, 0.0, 0.0, 0,
-                                                 "cancelled"))  # fmt: skip
-                return
-            if self.model is None:
-                raise RuntimeError("no model loaded")
-            done = run_generation(
-                self.model,
-                self.tokenizer,
-                request,
-                max_tokens_cap=self.max_tokens_cap,
-                cancelled=self.cancelled,
-                send=send,
-                faults=self.faults,
-                guard=self.guard,
-            )
-        except Exception as exc:
-            log.error("generation_failed", request_id=request.request_id, error=repr(exc))
-            self.channel.send(GenerationFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
-        else:
-            self.tokens_served += done.generation_tokens
+    def is_cancelled(self, request_id: int) -> bool:
+        return self.shutting_down or request_id in self.cancelled_ids
+
+    def request_finished(self, request_id: int, tokens: int | None) -> None:
+        """A request's last frame went out (``tokens`` generated; None: it
+        failed): count it, forget its cancel."""
+        if tokens is not None:
             self.requests_served += 1
-            self.channel.send(done)  # the client first, the log after
-            log.info(
-                "generation_done",
-                request_id=request.request_id,
-                tokens=done.generation_tokens,
-                tps=round(done.generation_tps, 1),
-                finish_reason=done.finish_reason,
-                max_tokens_clamped_to=done.max_tokens_clamped_to,
-                detail=done.detail,
-            )
-        finally:
-            if self.model is not None:
-                self.guard.refresh()  # the figures after the request, for Pongs
-            with self._lock:
-                self.current_request = None
-                self.pending.discard(request.request_id)
-                self.cancelled_ids.discard(request.request_id)
+            self.tokens_served += tokens
+        with self._lock:
+            self.pending.discard(request_id)
+            self.cancelled_ids.discard(request_id)
 
     def exit_audit(self, cause: str, cause_class: CauseClass | None = None) -> ExitAudit:
         """Log and return the runner's last words, from the latest figures
@@ -315,7 +332,7 @@ class Runner:
 
     def release(self) -> None:
         """Drop the model and return MLX's cached buffers (best effort)."""
-        self.model = self.tokenizer = None
+        self.engine = self.model = self.tokenizer = None
         gc.collect()
         mx = sys.modules.get("mlx.core")
         if mx is not None:

@@ -41,8 +41,8 @@ def status_table(status: StatusReply) -> str:
     if not status.runners:
         lines.append("no models loaded")
         return "\n".join(lines)
-    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "MLX", "BUDGET", "UP", "QUEUE", "RESTARTS",
-              "LAST EXIT")  # fmt: skip
+    header = ("NAME", "MODEL", "PID", "STATE", "RSS", "MLX", "BUDGET", "UP", "REQS", "QUEUE",
+              "CACHE", "RESTARTS", "LAST EXIT")  # fmt: skip
     now = time.time()
     rows: list[tuple[str, ...]] = [header]
     for r in status.runners:
@@ -85,10 +85,22 @@ def _runner_row(r: RunnerInfo, now: float) -> tuple[str, ...]:
         format_bytes(mlx),
         format_bytes(r.memory_budget_bytes) + (" pinned" if r.pinned else ""),
         up,
+        f"{r.active_requests}/{r.max_concurrent}",
         str(r.queue_depth),
+        _cache_cell(r),
         str(r.restarts),
         last,
     )
+
+
+def _cache_cell(r: RunnerInfo) -> str:
+    """'12.0 MiB, 3 (80% hits)': the prefix cache's bytes, entries and hit rate."""
+    cache = r.prefix_cache
+    if cache is None:
+        return "off" if r.batching is not None else "-"
+    lookups = cache.hits + cache.misses
+    rate = f" ({100 * cache.hits / lookups:.0f}% hits)" if lookups else ""
+    return f"{format_bytes(cache.bytes)}, {cache.entries}{rate}"
 
 
 class ProgressPrinter:
@@ -168,6 +180,8 @@ def cmd_load(args: argparse.Namespace, client: Client) -> int:
             keep_alive_s=args.keep_alive,
             pinned=True if args.pin else None,
             context_tokens=args.context,
+            max_concurrent=args.max_concurrent,
+            prefix_cache=False if args.no_prefix_cache else None,
             on_progress=progress,
         )
     finally:
@@ -189,6 +203,7 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        cache=not args.no_cache,
     )
     with gen:
         try:
@@ -213,6 +228,8 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
             "finish_reason": done.finish_reason,
             "max_tokens_clamped_to": done.max_tokens_clamped_to,
             "detail": done.detail,
+            "cached_tokens": done.cached_tokens,
+            "batched": done.batched,
         }
         sys.stdout.write(json.dumps(summary) + "\n")
     if done.max_tokens_clamped_to is not None:
@@ -240,6 +257,13 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         print(msgspec.json.encode(status).decode())
     else:
         print(status_table(status))
+    return EXIT_OK
+
+
+def cmd_cache(args: argparse.Namespace, client: Client) -> int:
+    cleared = client.clear_cache(args.name)
+    print(f"{cleared.name}: prefix cache cleared ({cleared.entries} entries, "
+          f"{format_bytes(cleared.bytes)})")  # fmt: skip
     return EXIT_OK
 
 
@@ -326,10 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive", type=_duration, metavar="DURATION",
                    help="unload after this long idle: 30s, 5m, 2h; 0 keeps it (default: "
                    "the daemon's keep_alive_s)")  # fmt: skip
+    p.add_argument("--max-concurrent", type=int, metavar="N",
+                   help="requests served side by side (default: the daemon's, 8)")  # fmt: skip
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="keep no KV prefix cache for this model")  # fmt: skip
     p.add_argument("--pin", action="store_true",
                    help="never evict or expire this model")  # fmt: skip
-    p.add_argument("--context", type=int, metavar="TOKENS",
-                   help="context the memory estimate plans for (default: min(model's, 8192))")
+    p.add_argument(
+        "--context",
+        type=int,
+        metavar="TOKENS",
+        help="context the memory estimate plans for (default: min(model's, 8192))",
+    )
 
     p = sub.add_parser("estimate", help="how much memory a model needs (no daemon needed)")
     p.add_argument("model", help="Hugging Face repo id, local directory or builtin:tiny")
@@ -345,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="send PROMPT as a chat message")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--no-cache", action="store_true",
+                   help="neither use nor fill the model's prefix cache")  # fmt: skip
 
     p = sub.add_parser("unload", parents=[socket_parent], help="stop a model's runner")
     p.add_argument("name")
@@ -353,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     sub.add_parser("shutdown", parents=[socket_parent], help="stop all runners and the daemon")
+
+    p = sub.add_parser("cache", help="manage a model's prefix cache")
+    cache_sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    cp = cache_sub.add_parser(
+        "clear", parents=[socket_parent], help="drop the model's KV prefix cache (it stays loaded)"
+    )
+    cp.add_argument("name")
 
     p = sub.add_parser("service", help="print a launchd plist or systemd unit")
     service_sub = p.add_subparsers(dest="service_command", required=True)
@@ -371,6 +412,7 @@ CLIENT_COMMANDS = {
     "unload": cmd_unload,
     "status": cmd_status,
     "shutdown": cmd_shutdown,
+    "cache": cmd_cache,
 }
 
 

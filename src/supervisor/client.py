@@ -27,6 +27,8 @@ from anyio.abc import SocketAttribute
 
 from ipc import AsyncChannel, BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
+    CacheCleared,
+    CacheClearRequest,
     CancelRequest,
     ChatMessage,
     ClientMessage,
@@ -164,6 +166,8 @@ class Client:
         keep_alive_s: float | None = None,
         pinned: bool | None = None,
         context_tokens: int | None = None,
+        max_concurrent: int | None = None,
+        prefix_cache: bool | None = None,
         on_progress: Callable[[LoadProgress], None] | None = None,
     ) -> Loaded:
         """Start a runner for ``model`` and wait until it is ready.
@@ -179,7 +183,7 @@ class Client:
 
         request = LoadRequest(
             local_model_reference(model), name, max_tokens, env or {}, restart,
-            keep_alive_s, pinned, context_tokens,
+            keep_alive_s, pinned, context_tokens, max_concurrent, prefix_cache,
         )  # fmt: skip
         return self._request(request, Loaded, progress)
 
@@ -191,6 +195,10 @@ class Client:
         """Stop every runner and the daemon; returns once the runners are reaped."""
         return self._request(ShutdownRequest(), ShutdownAck)
 
+    def clear_cache(self, name: str) -> CacheCleared:
+        """Drop the model's prefix cache (its runner stays loaded)."""
+        return self._request(CacheClearRequest(name), CacheCleared)
+
     def generate(
         self,
         name: str,
@@ -201,9 +209,13 @@ class Client:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        cache: bool = True,
     ) -> Generation:
-        """Start a generation; iterate the result for text pieces."""
-        request = generate_request(name, prompt, messages, max_tokens, temperature, top_p, seed)
+        """Start a generation; iterate the result for text pieces. ``cache``
+        False: the request neither uses nor fills the model's prefix cache."""
+        request = generate_request(
+            name, prompt, messages, max_tokens, temperature, top_p, seed, cache
+        )
         started = time.perf_counter()
         return Generation(self.connect(request), started)
 
@@ -267,13 +279,14 @@ def generate_request(
     temperature: float,
     top_p: float,
     seed: int | None,
+    cache: bool = True,
 ) -> GenerateRequest:
     """Build a GenerateRequest; chat turns may be dicts with role and content."""
     chat = None
     if messages is not None:
         chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
     sampling = SamplingParams(max_tokens, temperature, top_p, seed)
-    return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling)
+    return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache)
 
 
 class Generation:
@@ -414,6 +427,9 @@ class AsyncClient:
     async def shutdown(self) -> ShutdownAck:
         return await self._request(ShutdownRequest(), ShutdownAck)
 
+    async def clear_cache(self, name: str) -> CacheCleared:
+        return await self._request(CacheClearRequest(name), CacheCleared)
+
     async def generate(
         self,
         name: str,
@@ -424,10 +440,13 @@ class AsyncClient:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        cache: bool = True,
     ) -> AsyncIterator[str]:
         """Yield text pieces; cancelling the caller drops the connection, which
         cancels the generation in the runner."""
-        request = generate_request(name, prompt, messages, max_tokens, temperature, top_p, seed)
+        request = generate_request(
+            name, prompt, messages, max_tokens, temperature, top_p, seed, cache
+        )
         channel = await self.connect()
         try:
             await channel.send(request)

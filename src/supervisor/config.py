@@ -26,6 +26,7 @@ Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
 Percent = Annotated[float, Meta(gt=0, le=100)]
 KeepAliveSeconds = Annotated[float, Meta(ge=0, le=365 * 86_400)]  # 0: forever
 ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
+Concurrency = Annotated[int, Meta(ge=1, le=256)]
 
 
 class ConfigError(Exception):
@@ -44,6 +45,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pinned: bool = False  # never evicted to make room, never expired
     keep_alive_s: KeepAliveSeconds | None = None  # idle this long: unloaded (default: daemon's)
     context_tokens: ContextTokens | None = None  # what the estimate plans the KV cache for
+    max_concurrent: Concurrency | None = None  # requests served side by side (default: daemon's)
+    prefix_cache: bool | None = None  # keep a KV prefix cache (default: daemon's)
+    prefix_cache_bytes: Bytes | None = None  # its budget (default: 25% of the memory budget)
 
 
 class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,6 +91,10 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_loaded_models: Count = 0  # 0: no cap; else evict the least recently used idle model
     keep_alive_s: KeepAliveSeconds = 0.0  # idle models unloaded after this long (0: never)
     max_tokens: Positive = 4096  # hard cap on any request's max_tokens (per model: max_tokens)
+    # the runner's engine (README: "Serving many requests")
+    max_concurrent: Concurrency = 8  # requests a model serves side by side (1: one at a time)
+    prefix_cache: bool = True  # reuse the KV cache of earlier requests' shared prefixes
+    prefix_cache_entries: Positive = 256  # sequences a runner's prefix cache keeps at most
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True

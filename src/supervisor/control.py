@@ -24,6 +24,7 @@ from anyio.abc import ByteStream, SocketAttribute, SocketListener
 from ipc import AsyncChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
     PROTOCOL_VERSION,
+    CacheClearRequest,
     CancelRequest,
     ClientMessage,
     ErrorCode,
@@ -105,13 +106,18 @@ class Connection:
         self.write_timeout_s = write_timeout_s
         self.gone = False
 
-    async def send(self, message: msgspec.Struct) -> None:
-        """Write one frame within the deadline. Raises ClientGone."""
+    async def send(self, message: msgspec.Struct, body: bytes | None = None) -> None:
+        """Write one frame within the deadline; ``body``, when given, is
+        ``message`` already encoded (a runner's frame relayed as it came).
+        Raises ClientGone."""
         if self.gone:
             raise ClientGone("the client is gone")
         try:
             with anyio.fail_after(self.write_timeout_s):
-                await self.channel.send(message)
+                if body is None:
+                    await self.channel.send(message)
+                else:
+                    await self.channel.send_body(body)
         except TimeoutError:
             self.gone = True
             with anyio.CancelScope(shield=True):
@@ -282,6 +288,8 @@ class ControlServer:
             await self._generate(conn, request)
         elif isinstance(request, UnloadRequest):
             await conn.send(await self.registry.unload(request.name))
+        elif isinstance(request, CacheClearRequest):
+            await conn.send(await self.registry.clear_cache(request.name))
         elif isinstance(request, ShutdownRequest):
             try:
                 count = await self.shutdown()
@@ -326,9 +334,9 @@ class ControlServer:
         cancel = anyio.Event()
         queued: Mailbox[Queued] = Mailbox()
 
-        async def emit(event: TextChunk | GenerationDone) -> None:
+        async def emit(event: TextChunk | GenerationDone, body: bytes | None) -> None:
             queued.close()  # no position update after the first token
-            await conn.send(event)
+            await conn.send(event, body)
 
         async def watch_client() -> None:
             # The only thing a client may send now is CancelRequest; EOF or

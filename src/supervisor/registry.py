@@ -29,6 +29,9 @@ from ipc import ChannelClosed
 from ipc.messages import (
     FAULTS_ENV,
     MEMORY_CAUSES,
+    CacheCleared,
+    ClearCache,
+    EngineSettings,
     ErrorCode,
     ExitInfo,
     Generate,
@@ -55,7 +58,7 @@ from supervisor.memory.classify import classify_exit
 from supervisor.memory.estimate import Estimate, estimate_reference
 from supervisor.memory.monitor import MemoryMonitor, override_mb
 from supervisor.restart import RestartIntensity, RestartTracker
-from supervisor.runner_handle import RunnerGone, RunnerHandle, RunnerStartError
+from supervisor.runner_handle import RequestEvent, RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
 from supervisor.spare import HotSpare, spare_fits
 from supervisor.system import process_rss
@@ -75,7 +78,9 @@ ALLOWED_MOVES: dict[RunnerState, set[RunnerState]] = {
     "stopping": set(),
 }
 
-Emit = Callable[[TextChunk | GenerationDone], Awaitable[None]]
+Emit = Callable[[TextChunk | GenerationDone, bytes | None], Awaitable[None]]
+"""Passes one frame of a generation to its client: the event, and the body
+of the runner's frame when it can be written as it is (None: encode it)."""
 ProgressListener = Callable[[LoadProgress], None]
 """Told of load progress; must not block (a connection's mailbox)."""
 QueueListener = Callable[[int], None]
@@ -124,7 +129,10 @@ class ModelEntry:
     param_bytes: int | None = None
     keep_if_first_load_fails: bool = False  # restored at start: stay, failed, for status
     waiters: list[Waiter] = field(default_factory=list)  # in arrival order
-    request_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
+    # A slot per request the runner serves at once: sized by max_concurrent,
+    # then by what the runner says it can do (1 when it cannot batch).
+    slots: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
+    active_requests: int = 0  # holding a slot and sent to the runner
     loaded: anyio.Event = field(default_factory=anyio.Event)  # first load decided
     stop_requested: anyio.Event = field(default_factory=anyio.Event)
     stopped: anyio.Event = field(default_factory=anyio.Event)  # supervising task ended
@@ -146,7 +154,7 @@ class ModelEntry:
         return (
             not self.spec.pinned
             and self.state == "ready"
-            and not self.request_lock.locked()
+            and self.slots.borrowed_tokens == 0
             and not self.waiters
             and not self.stop_requested.is_set()
         )
@@ -205,9 +213,22 @@ class ModelEntry:
         self.state_changed.set()
         self.state_changed = anyio.Event()
 
+    @property
+    def serving(self) -> bool:
+        """Loaded and taking requests (ready, or busy with others)."""
+        return self.state in ("ready", "busy")
+
+    def request_started(self) -> None:
+        """Busy from the first request in flight."""
+        self.active_requests += 1
+        if self.state == "ready":
+            self.move("busy")
+
     def request_finished(self) -> None:
-        """Back to ready after a request, unless the runner died or is stopping."""
-        if self.state == "busy":
+        """Back to ready after the last request in flight, unless the runner
+        died or is stopping."""
+        self.active_requests -= 1
+        if self.active_requests == 0 and self.state == "busy":
             self.move("ready")
 
     async def wait_ready(self) -> RunnerHandle:
@@ -217,7 +238,7 @@ class ModelEntry:
             RequestError: the model is crashed, failed or being unloaded.
         """
         while True:
-            if self.state == "ready" and self.handle is not None:
+            if self.serving and self.handle is not None:
                 return self.handle
             if self.state in ("crashed", "failed", "stopping"):
                 why = self.failure or (self.last_exit.cause if self.last_exit else None)
@@ -239,6 +260,7 @@ class ModelEntry:
         handle = self.handle
         pid = handle.pid if handle is not None and handle.alive else None
         memory = handle.memory if pid is not None and handle is not None else None
+        engine = handle.engine_stats if pid is not None and handle is not None else None
         return RunnerInfo(
             name=self.name,
             model=self.spec.model,
@@ -260,6 +282,11 @@ class ModelEntry:
             pinned=self.spec.pinned,
             keep_alive_s=self.keep_alive_s,
             last_used_at=time.time() - (time.monotonic() - self.last_used),
+            active_requests=self.active_requests,
+            max_concurrent=int(self.slots.total_tokens),
+            batching=engine.batching if engine is not None else None,
+            batching_reason=engine.batching_reason if engine is not None else None,
+            prefix_cache=engine.prefix_cache if engine is not None else None,
         )
 
 
@@ -409,7 +436,9 @@ class Registry:
         fields: dict[str, Any] = msgspec.to_builtins(configured) if configured else {}
         fields.pop("preload", None)
         fields.update(name=name, model=request.model, env=env)
-        for key in ("max_tokens", "restart", "keep_alive_s", "pinned", "context_tokens"):
+        keys = ("max_tokens", "restart", "keep_alive_s", "pinned", "context_tokens",
+                "max_concurrent", "prefix_cache")  # fmt: skip
+        for key in keys:
             value = getattr(request, key)
             if value is not None:
                 fields[key] = value
@@ -693,13 +722,17 @@ class Registry:
         spec = entry.spec
         faults = spec.env.get(FAULTS_ENV, "")
         max_tokens = spec.max_tokens or self.config.max_tokens
-        await handle.send(LoadModel(spec.name, spec.model, max_tokens, faults, entry.plan))
+        engine = self.engine_settings(spec)
+        entry.slots.total_tokens = engine.max_concurrent
+        await handle.send(LoadModel(spec.name, spec.model, max_tokens, faults, entry.plan, engine))
         while True:
             event = await handle.next_event()
             if isinstance(event, LoadProgress):
                 for listener in entry.progress_listeners:
                     listener(event)  # never blocks: the connection writes it
             elif isinstance(event, Ready):
+                # What the runner can do: 1 at a time when its model cannot batch.
+                entry.slots.total_tokens = max(1, event.engine.max_concurrent)
                 entry.param_bytes = event.param_bytes
                 entry.load_result = Loaded(
                     name=spec.name,
@@ -722,6 +755,42 @@ class Registry:
                 entry.load_error = event.error
             else:
                 entry.log.warning("unexpected_event", event_type=type(event).__name__)
+
+    def engine_settings(self, spec: ModelConfig) -> EngineSettings:
+        """The runner's engine settings for ``spec``: its own, else the daemon's."""
+        config = self.config
+        return EngineSettings(
+            max_concurrent=spec.max_concurrent or config.max_concurrent,
+            prefix_cache=spec.prefix_cache if spec.prefix_cache is not None
+            else config.prefix_cache,
+            prefix_cache_bytes=spec.prefix_cache_bytes,
+            prefix_cache_entries=config.prefix_cache_entries,
+        )  # fmt: skip
+
+    async def clear_cache(self, name: str) -> CacheCleared:
+        """Drop the named model's prefix cache; its runner stays loaded.
+
+        Raises:
+            RequestError: unknown model, or no runner ready to ask.
+        """
+        entry = self.get(name)
+        handle = entry.handle
+        if handle is None or not handle.alive or entry.state not in ("ready", "busy"):
+            raise RequestError("not_ready", f"{name} is {entry.state}: it holds no cache")
+        waiter = handle.expect(CacheCleared)
+        try:
+            await handle.send(ClearCache())
+            with anyio.fail_after(self.config.decode_stall_s):
+                event = await waiter.wait()
+        except TimeoutError:
+            raise RequestError("not_ready", f"{name} did not answer in time") from None
+        except RunnerGone as gone:
+            raise RequestError("runner_died", f"runner of {name} died: {gone.exit.cause}") from None
+        finally:
+            waiter.cancel()
+        assert isinstance(event, CacheCleared)
+        entry.log.info("prefix_cache_cleared", entries=event.entries, bytes=event.bytes)
+        return event
 
     # --- generate ------------------------------------------------------------
 
@@ -795,7 +864,8 @@ class Registry:
         on_queued: QueueListener | None,
     ) -> None:
         deadline = anyio.current_time() + self.config.queue_timeout_s
-        must_wait = entry.request_lock.locked() or entry.state != "ready"
+        no_slot = entry.slots.borrowed_tokens >= entry.slots.total_tokens
+        must_wait = no_slot or not entry.serving
         if must_wait and len(entry.waiters) >= self.config.max_queue:
             self.counters["requests_refused_busy"] += 1
             raise RequestError(
@@ -810,7 +880,7 @@ class Registry:
 
         async def take_turn() -> None:
             nonlocal acquired
-            await entry.request_lock.acquire()
+            await entry.slots.acquire_on_behalf_of(waiter)
             acquired = True
 
         try:
@@ -818,12 +888,12 @@ class Registry:
                 await wait_unless(cancel, take_turn)
         except BaseException:
             if acquired:
-                entry.request_lock.release()
+                entry.slots.release_on_behalf_of(waiter)
             entry.leave_queue(waiter)
             raise
         if not acquired or cancel.is_set():
             if acquired:  # its turn came just as it was cancelled
-                entry.request_lock.release()
+                entry.slots.release_on_behalf_of(waiter)
             entry.leave_queue(waiter)
             if cancel.is_set():  # the client cancelled or left while in line
                 await self._end_cancelled_in_line(emit)
@@ -841,7 +911,7 @@ class Registry:
                         ready.clear()
                         await wait_unless(cancel, wait_ready)
                         # Leaving wait_unless yields: an unload may have come in between.
-                        if not ready or (entry.state == "ready" and entry.handle is ready[0]):
+                        if not ready or (entry.serving and entry.handle is ready[0]):
                             break
             finally:
                 entry.leave_queue(waiter)
@@ -853,11 +923,11 @@ class Registry:
             handle = ready[0]
             await self._run_request(entry, handle, request, emit, cancel, streamed)
         finally:
-            entry.request_lock.release()
+            entry.slots.release_on_behalf_of(waiter)
 
     async def _end_cancelled_in_line(self, emit: Emit) -> None:
         with contextlib.suppress(ChannelClosed):
-            await emit(GenerationDone(0, 0, 0, 0.0, 0.0, 0.0, 0, "cancelled"))
+            await emit(GenerationDone(0, 0, 0, 0.0, 0.0, 0.0, 0, "cancelled"), None)
 
     def _timeout_message(self, entry: ModelEntry) -> str:
         return (
@@ -875,7 +945,7 @@ class Registry:
         streamed: list[bool],
     ) -> None:
         request_id = next(self._request_ids)
-        entry.move("busy")
+        entry.request_started()
         entry.touch()
         self.idle_changed()
         failure: RunnerGone | RequestError | None = None
@@ -916,26 +986,49 @@ class Registry:
         cancel: anyio.Event,
         streamed: list[bool],
     ) -> None:
-        """Send the request and pass its frames on until it is done."""
-        await handle.send(Generate(request_id, request.prompt, request.messages, request.sampling))
-        client_gone = False
-        while True:
-            event = await handle.next_event()
-            if isinstance(event, TextChunk | GenerationDone):
-                if event.request_id != request_id:
-                    continue  # a late frame of an earlier, abandoned request
+        """Send the request and pass its frames on until it is done.
+
+        Chunks go out as the runner framed them (no decoding and encoding
+        again); when the client falls behind, the chunks that piled up go
+        out as one.
+        """
+        stream = handle.open_request(request_id)
+        try:
+            command = Generate(
+                request_id, request.prompt, request.messages, request.sampling, request.cache
+            )
+            await handle.send(command)
+            client_gone = False
+            held: tuple[RequestEvent, bytes] | None = None
+            while True:
+                event, body = held if held is not None else await stream.next()
+                held = None
+                if isinstance(event, GenerationFailed):
+                    raise RequestError("generation_failed", event.error)
                 streamed[0] = True
+                relayed: bytes | None = body
+                if isinstance(event, TextChunk):
+                    chunks = [event]
+                    while (item := stream.next_nowait()) is not None:
+                        if not isinstance(item[0], TextChunk):
+                            held = item
+                            break
+                        chunks.append(item[0])
+                    if len(chunks) > 1:  # the client fell behind: one frame for them all
+                        text = "".join(chunk.text for chunk in chunks)
+                        event = TextChunk(request_id, text, chunks[-1].generation_tokens)
+                        relayed = None
                 if not client_gone:
                     try:
-                        await emit(event)
+                        await emit(event, relayed)
                     except (ChannelClosed, anyio.BrokenResourceError, OSError):
                         client_gone = True
                         cancel.set()
                         entry.log.info("client_gone", request_id=request_id)
                 if isinstance(event, GenerationDone):
                     return
-            elif isinstance(event, GenerationFailed) and event.request_id == request_id:
-                raise RequestError("generation_failed", event.error)
+        finally:
+            stream.close()
 
     # --- unload and shutdown -------------------------------------------------
 

@@ -26,9 +26,11 @@ from anyio.abc import ByteReceiveStream, Process, TaskGroup
 
 from ipc import AsyncChannel, ChannelClosed, Codec, FdStream, ProtocolError
 from ipc.messages import (
+    CacheCleared,
+    EngineReport,
+    EngineStats,
     ExitAudit,
     ExitInfo,
-    Generate,
     GenerationDone,
     GenerationFailed,
     Heartbeat,
@@ -63,6 +65,96 @@ class RunnerGone(Exception):
     def __init__(self, exit: ExitInfo) -> None:
         super().__init__(exit.cause)
         self.exit = exit
+
+
+RequestEvent = TextChunk | GenerationDone | GenerationFailed
+"""What the runner sends about one request."""
+
+
+class RequestStream:
+    """The frames of one request in flight, as the runner sends them.
+
+    Each item is the event and its frame's body as it came over the pipe
+    (a relay can write it to a client as it is). Close it when done.
+    """
+
+    def __init__(self, handle: RunnerHandle, request_id: int) -> None:
+        self.handle = handle
+        self.request_id = request_id
+        self._in, self._out = anyio.create_memory_object_stream[tuple[RequestEvent, bytes]](
+            max_buffer_size=math.inf
+        )
+
+    async def next(self) -> tuple[RequestEvent, bytes]:
+        """The request's next frame.
+
+        Raises:
+            RunnerGone: the runner exited; no more frames will come.
+        """
+        try:
+            return await self._out.receive()
+        except anyio.EndOfStream:
+            await self.handle.exited.wait()
+            assert self.handle.exit_info is not None
+            raise RunnerGone(self.handle.exit_info) from None
+
+    def next_nowait(self) -> tuple[RequestEvent, bytes] | None:
+        """The next frame if one is waiting, else None."""
+        try:
+            return self._out.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return None
+
+    def put(self, event: RequestEvent, body: bytes) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._in.send_nowait((event, body))
+
+    def end(self) -> None:
+        """No more frames (the runner is gone, or the request closed)."""
+        self._in.close()
+
+    def close(self) -> None:
+        self.handle.close_request(self.request_id)
+        self._in.close()
+        self._out.close()
+
+
+class EventWaiter:
+    """Waits for the runner's next event of one type (an answer to a command)."""
+
+    def __init__(self, handle: RunnerHandle, kind: type[Any]) -> None:
+        self.handle = handle
+        self.kind = kind
+        self.event: RunnerEvent | None = None
+        self._arrived = anyio.Event()
+
+    def deliver(self, event: RunnerEvent) -> None:
+        self.event = event
+        self._arrived.set()
+
+    async def wait(self) -> RunnerEvent:
+        """The event.
+
+        Raises:
+            RunnerGone: the runner exited first.
+        """
+        async with anyio.create_task_group() as tg:
+
+            async def exited() -> None:
+                await self.handle.exited.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(exited)
+            await self._arrived.wait()
+            tg.cancel_scope.cancel()
+        if self.event is None:
+            assert self.handle.exit_info is not None
+            raise RunnerGone(self.handle.exit_info)
+        return self.event
+
+    def cancel(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.handle._waiters.remove(self)
 
 
 class RunnerStartError(Exception):
@@ -158,6 +250,12 @@ class RunnerHandle:
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
             max_buffer_size=math.inf
         )
+        # Requests in flight: their frame streams, and whether each is still in
+        # prefill (no token yet); the watchdog's phase follows from them.
+        self._requests: dict[int, RequestStream] = {}
+        self._prefilling: set[int] = set()
+        self.engine_stats: EngineStats | None = None  # the runner's latest report
+        self._waiters: list[EventWaiter] = []
         self.log: Any = structlog.get_logger("supervisor.runner").bind(model=spec.name)
 
     @property
@@ -316,7 +414,7 @@ class RunnerHandle:
         try:
             while True:
                 try:
-                    event = await self.channel.recv()
+                    event, body = await self.channel.recv_with_body()
                 except ChannelClosed:
                     break
                 except ProtocolError as exc:
@@ -325,6 +423,12 @@ class RunnerHandle:
                     break
                 self.last_alive_at = time.monotonic()
                 self.ping_unanswered_since = None
+                if isinstance(event, TextChunk | GenerationDone | GenerationFailed):
+                    stream = self._requests.get(event.request_id)
+                    if stream is not None:  # else a late frame of an abandoned request
+                        stream.put(event, body)
+                    self._track_progress(event)
+                    continue
                 self._track_progress(event)
                 self._track_memory(event)
                 if isinstance(event, ExitAudit):
@@ -342,11 +446,19 @@ class RunnerHandle:
                 elif isinstance(event, Started):
                     self.warm.set()
                     self.log.info("runner_warm", import_s=round(event.import_s, 3))
+                elif isinstance(event, EngineReport):
+                    self.engine_stats = event.engine
+                elif isinstance(event, CacheCleared):
+                    for waiter in [w for w in self._waiters if isinstance(event, w.kind)]:
+                        self._waiters.remove(waiter)
+                        waiter.deliver(event)
                 elif not isinstance(event, Pong | Heartbeat):
                     self._events_in.send_nowait(event)
             await self.exited.wait()  # so RunnerGone can carry the exit status
         finally:
             self._events_in.close()
+            for stream in self._requests.values():
+                stream.end()
             with anyio.CancelScope(shield=True):
                 await self.channel.aclose()
 
@@ -399,6 +511,8 @@ class RunnerHandle:
         """Keep the runner's latest MLX figures, and its RSS on each pong."""
         if isinstance(event, Pong):
             self.memory = event.memory
+            if event.engine is not None:
+                self.engine_stats = event.engine
             self.measure_rss()
         elif isinstance(event, Heartbeat) and event.memory is not None:
             self.memory = event.memory
@@ -410,6 +524,7 @@ class RunnerHandle:
         elif isinstance(event, Ready):
             self.memory = MemoryFigures(event.active_bytes, self.memory.cache_bytes,
                                         event.peak_bytes)  # fmt: skip
+            self.engine_stats = event.engine
             self.measure_rss()
 
     def measure_rss(self) -> int | None:
@@ -441,16 +556,48 @@ class RunnerHandle:
 
     def _track_progress(self, event: RunnerEvent) -> None:
         """Every event is progress; some also move the phase."""
-        if isinstance(event, Started) and self.phase == "starting":
+        if isinstance(event, TextChunk):
+            if event.request_id in self._prefilling:
+                self._prefilling.discard(event.request_id)
+                self._set_phase(self._request_phase())
+            else:
+                self._note_progress()
+        elif isinstance(event, GenerationDone | GenerationFailed):
+            self._prefilling.discard(event.request_id)
+            self.close_request(event.request_id, end=False)
+        elif isinstance(event, Started) and self.phase == "starting":
             self._set_phase("idle")
-        elif isinstance(event, Ready | GenerationDone | GenerationFailed):
+        elif isinstance(event, Ready):
             self._set_phase("idle")
-            if isinstance(event, Ready):
-                self.ready.set()
-        elif isinstance(event, TextChunk) and self.phase == "prefill":
-            self._set_phase("decode")
-        elif isinstance(event, LoadProgress | Heartbeat | TextChunk):
+            self.ready.set()
+        elif isinstance(event, LoadProgress | Heartbeat):
             self._note_progress()
+
+    def _request_phase(self) -> str:
+        """idle with no request in flight; prefill while one waits for its
+        first token (the longer timeout); else decode."""
+        if not self._requests:
+            return "idle"
+        return "prefill" if self._prefilling else "decode"
+
+    def open_request(self, request_id: int) -> RequestStream:
+        """Route the frames of ``request_id`` to a new stream (before sending it)."""
+        stream = RequestStream(self, request_id)
+        if self.exited.is_set():
+            stream.end()
+        self._requests[request_id] = stream
+        self._prefilling.add(request_id)
+        self._set_phase("prefill")
+        return stream
+
+    def close_request(self, request_id: int, *, end: bool = True) -> None:
+        """Stop routing ``request_id``'s frames; the phase follows what is left."""
+        stream = self._requests.pop(request_id, None)
+        self._prefilling.discard(request_id)
+        if stream is not None and end:
+            stream.end()
+        if self.phase in ("prefill", "decode"):
+            self._set_phase(self._request_phase())
 
     def stall_timeout_s(self) -> float:
         """How long the current phase may go without progress (idle: forever;
@@ -568,14 +715,19 @@ class RunnerHandle:
         assert self.channel is not None
         if isinstance(command, LoadModel):
             self._set_phase("loading")
-        elif isinstance(command, Generate):
-            self._set_phase("prefill")
         try:
             await self.channel.send(command)
         except ChannelClosed:
             await self.exited.wait()
             assert self.exit_info is not None
             raise RunnerGone(self.exit_info) from None
+
+    def expect(self, kind: type[Any]) -> EventWaiter:
+        """Start waiting for the runner's next ``kind`` event (before sending
+        the command it answers)."""
+        waiter = EventWaiter(self, kind)
+        self._waiters.append(waiter)
+        return waiter
 
     async def next_event(self) -> RunnerEvent:
         """The runner's next event (load progress, chunks, results).

@@ -282,6 +282,8 @@ def generate_request(draw: st.DrawFn) -> dict[str, Any]:
     out: dict[str, Any] = {"type": "generate", "name": name, **draw(prompt_fields(to_model))}
     if draw(st.integers(0, 3)):
         out["sampling"] = draw(sampling())
+    if not draw(st.integers(0, 3)):
+        out["cache"] = draw(st.one_of(st.booleans(), junk()))
     return out
 
 
@@ -296,6 +298,7 @@ def requests() -> st.SearchStrategy[dict[str, Any]]:
         st.builds(lambda n: {"type": "unload", "name": n}, names().filter(lambda n: n != MODEL)),
         st.builds(lambda e: {**e, "type": "status"}, extra),
         st.builds(lambda e: {**e, "type": "cancel"}, extra),
+        st.builds(lambda n, e: {**e, "type": "cache_clear", "name": n}, names(), extra),
     )
 
 

@@ -269,8 +269,10 @@ class Admission:
             log.warning("admission_without_estimate", model=name, reason=reason,
                         note="model not on this machine yet: no size to check")  # fmt: skip
             return self._plan(snapshot, None, others(), spare_bytes, guard)
-        if estimate is not None and estimate.vision and (
-            estimate.total_bytes > VISION_LIMIT_FRACTION * total
+        if (
+            estimate is not None
+            and estimate.vision
+            and (estimate.total_bytes > VISION_LIMIT_FRACTION * total)
         ):
             self.counters["admission_refused"] += 1
             raise AdmissionRefused(

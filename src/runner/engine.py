@@ -1,0 +1,632 @@
+"""The runner's engine: requests served side by side, with a KV prefix cache.
+
+A request runs one of two ways:
+
+- **alone** (``_Solo``), through mlx-lm's ``generate_step``: the fastest
+  path for one sequence, and the only one for a request with a seed or a
+  model whose caches cannot be merged into a batch;
+- **in a batch**, through mlx-lm's ``BatchGenerator`` (continuous batching,
+  as mlx_lm.server does it): a new request joins after its prefill, a
+  finished one leaves, each keeps its own sampler, token limit and stop.
+
+A runner with nothing else to do serves a lone request alone. When a second
+request comes while one runs alone, the lone one moves into a new batch
+where it left off (its cache cut back by the one token it had computed
+ahead) and the newcomer joins it. A request that cannot join a batch waits
+until the batch drains, then runs alone: requests start in arrival order.
+
+Every request looks up the prefix cache before it starts and, when it ends
+(done or cancelled, after at least one token), stores the cache of its whole
+sequence. One request's failure ends that request only.
+
+Everything here runs on the runner's main thread; the pipe-reader thread
+only reads :attr:`Engine.stats_snapshot` (for Pongs) and flags cancels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from ipc.messages import (
+    EngineReport,
+    EngineSettings,
+    EngineStats,
+    FinishReason,
+    Generate,
+    GenerationDone,
+    GenerationFailed,
+    Heartbeat,
+    TextChunk,
+)
+from runner.faults import Faults
+from runner.guard import CHECK_EVERY_TOKENS, MemoryGuard, RequestGuard
+from runner.prefix_cache import PrefixCache, PromptCache
+
+__all__ = ["Engine", "batchability", "build_prompt_tokens"]
+
+log = structlog.get_logger("runner.engine")
+
+HEARTBEAT_INTERVAL_S = 0.5
+PREFILL_STEP_TOKENS = 2048
+PREFIX_CACHE_SHARE = 0.25
+"""The prefix cache's default budget: this share of the runner's memory
+budget, or of the memory available at load when it has none."""
+
+Send = Callable[[Any], None]
+
+
+def build_prompt_tokens(tokenizer: Any, request: Generate) -> list[int]:
+    """The prompt's token ids: chat-templated messages, or raw text encoded as
+    mlx-lm's ``stream_generate`` encodes it."""
+    if request.messages is not None:
+        turns = [{"role": m.role, "content": m.content} for m in request.messages]
+        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+    if request.prompt is None:
+        raise ValueError("a generate request needs a prompt or messages")
+    bos = tokenizer.bos_token
+    add_special = bos is None or not request.prompt.startswith(bos)
+    return list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
+
+
+def batchability(model: Any) -> tuple[bool, str | None]:
+    """Whether requests to ``model`` can share a batch, and if not why."""
+    cache = make_prompt_cache(model)
+    unmergeable = sorted({type(c).__name__ for c in cache if not hasattr(c, "merge")})
+    if unmergeable:
+        return False, f"its caches ({', '.join(unmergeable)}) cannot be merged into a batch"
+    return True, None
+
+
+class _StoppedInPrefill(Exception):
+    """Raised from the prefill callback to leave mlx-lm's generator."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the engine."""
+
+    request: Generate
+    received: float
+    prompt: list[int]
+    max_tokens: int
+    clamped_to: int | None
+    sampler: Any
+    guard: RequestGuard
+    detokenizer: Any
+    use_cache: bool
+    cached_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # generated so far (a stop token included)
+    started: float = 0.0  # when its prefill began
+    first_token_at: float | None = None
+    uid: int | None = None  # its id in the batch
+    batched: bool = False
+    finish: FinishReason | None = None
+    detail: str | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+
+@dataclass(eq=False)
+class _Solo:
+    """A request running alone through ``generate_step``."""
+
+    job: Job
+    cache: PromptCache
+    rest: list[int]  # the prompt tokens not taken from the prefix cache
+    steps: Generator[tuple[Any, Any], None, None]
+
+
+class Engine:
+    """Serves generation requests for one loaded model.
+
+    Args:
+        model, tokenizer: what mlx-lm loaded.
+        settings: concurrency and prefix-cache settings from the LoadModel.
+        guard: the runner's memory guard (its budget sizes the prefix cache).
+        faults: fault injection.
+        send: writes one frame to the supervisor.
+        is_cancelled: whether a request was cancelled (read every step).
+        on_finished: called with each request's id and generated tokens (None
+            if it failed) once its last frame is sent.
+        max_tokens_cap: the model's hard token cap.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        settings: EngineSettings,
+        *,
+        guard: MemoryGuard,
+        faults: Faults,
+        send: Send,
+        is_cancelled: Callable[[int], bool],
+        on_finished: Callable[[int, int | None], None],
+        max_tokens_cap: int | None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.guard = guard
+        self.faults = faults
+        self.send = send
+        self.is_cancelled = is_cancelled
+        self.on_finished = on_finished
+        self.max_tokens_cap = max_tokens_cap
+        self.batching, self.batching_reason = batchability(model)
+        if settings.max_concurrent <= 1 and self.batching:
+            self.batching, self.batching_reason = False, "max_concurrent is 1"
+        self.max_concurrent = max(1, settings.max_concurrent) if self.batching else 1
+        self.prefix_cache: PrefixCache | None = None
+        if settings.prefix_cache:
+            budget = settings.prefix_cache_bytes
+            if budget is None:
+                budget = default_prefix_cache_bytes(guard)
+            self.prefix_cache = PrefixCache(budget, settings.prefix_cache_entries)
+            guard.add_cleanup_hook(self._evict_for_memory)
+        self.pending: deque[Job] = deque()
+        self.solo: _Solo | None = None
+        self.batch: Any = None  # a BatchGenerator while requests run in a batch
+        self.in_batch: dict[int, Job] = {}
+        self._stop_tokens = [[t] for t in sorted(tokenizer.eos_token_ids)]
+        self._samplers: dict[tuple[float, float], Any] = {}
+        self._steps = 0
+        self._progress = 0
+        self._last_beat = time.perf_counter()
+        self.stats_snapshot = self.stats()
+
+    # --- the outside -----------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and self.solo is None and not self.in_batch
+
+    @property
+    def active(self) -> int:
+        return (self.solo is not None) + len(self.in_batch)
+
+    def submit(self, request: Generate) -> None:
+        """Queue ``request``; a request that cannot run fails at once."""
+        received = time.perf_counter()
+        try:
+            job = self._make_job(request, received)
+        except Exception as exc:
+            log.error("generation_failed", request_id=request.request_id, error=repr(exc))
+            self.send(GenerationFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
+            self.on_finished(request.request_id, None)
+            return
+        self.pending.append(job)
+
+    def step(self) -> None:
+        """Do one unit of work: start what can start, then one decode step
+        (or prefill chunk) of whatever runs."""
+        self._start_pending()
+        if self.solo is not None:
+            self._step_solo(self.solo)
+        elif self.batch is not None:
+            self._step_batch(self.batch)
+        if self.idle:
+            self.faults.end_request()
+        elif time.perf_counter() - self._last_beat >= HEARTBEAT_INTERVAL_S:
+            self._last_beat = time.perf_counter()
+            self.guard.refresh()
+            waiting = any(j.first_token_at is None for j in self._running())
+            self.send(Heartbeat("prefill" if waiting else "decode", self._progress,
+                                self.guard.figures))  # fmt: skip
+
+    def clear_cache(self) -> tuple[int, int]:
+        """Drop the prefix cache; returns the entries and bytes dropped."""
+        if self.prefix_cache is None:
+            return 0, 0
+        dropped = self.prefix_cache.clear()
+        self._report()
+        return dropped
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            active_requests=self.active,
+            max_concurrent=self.max_concurrent,
+            queued=len(self.pending),
+            batching=self.batching,
+            batching_reason=self.batching_reason,
+            prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats(),
+        )
+
+    # --- starting requests ---------------------------------------------------
+
+    def _make_job(self, request: Generate, received: float) -> Job:
+        sampling = request.sampling
+        max_tokens, clamped_to = sampling.max_tokens, None
+        if self.max_tokens_cap is not None and max_tokens > self.max_tokens_cap:
+            max_tokens = clamped_to = self.max_tokens_cap
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        prompt = build_prompt_tokens(self.tokenizer, request)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        key = (sampling.temperature, sampling.top_p)
+        sampler = self._samplers.get(key)
+        if sampler is None:  # one object per setting: a batch that shares it samples at once
+            sampler = self._samplers[key] = make_sampler(temp=key[0], top_p=key[1])
+        return Job(
+            request=request,
+            received=received,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            clamped_to=clamped_to,
+            sampler=sampler,
+            guard=self.guard.start_request(request.request_id),
+            detokenizer=self.tokenizer.detokenizer,
+            use_cache=request.cache and self.prefix_cache is not None,
+        )
+
+    def _batchable(self, job: Job) -> bool:
+        return self.batching and job.request.sampling.seed is None
+
+    def _start_pending(self) -> None:
+        """Start the waiting requests that can start, in arrival order; one
+        that fails to start fails alone."""
+        while self.pending:
+            job = self.pending[0]
+            try:
+                if not self._start_next(job):
+                    return
+            except Exception as exc:
+                log.exception("request_start_failed", request_id=job.request_id)
+                if self.pending and self.pending[0] is job:
+                    self.pending.popleft()
+                if job.uid is not None:
+                    self.in_batch.pop(job.uid, None)
+                if self.solo is not None and self.solo.job is job:
+                    self.solo = None
+                self._fail(job, exc)
+
+    def _start_next(self, job: Job) -> bool:
+        """Start ``job`` (the first in line) if it can start now; False if it
+        must wait (for room in the batch, or for the batch to drain)."""
+        if self.is_cancelled(job.request_id):
+            self.pending.popleft()
+            self._finish(job, "cancelled")
+            return True
+        if self.solo is None and self.batch is None:
+            more = len(self.pending) > 1 and self._batchable(self.pending[1])
+            if self._batchable(job) and more:
+                self._open_batch()
+            else:
+                self.pending.popleft()
+                self._start_solo(job)
+                return True
+        if not self._batchable(job) or self.active >= self.max_concurrent:
+            return False  # it waits for room, or for the batch to drain
+        if self.solo is not None and not self._move_solo_to_batch(self.solo):
+            return False
+        self.pending.popleft()
+        self._join_batch(job)
+        return True
+
+    def _fetch(self, job: Job) -> PromptCache | None:
+        if not job.use_cache or self.prefix_cache is None:
+            return None
+        cache, reused = self.prefix_cache.fetch(job.prompt)
+        job.cached_tokens = reused
+        return cache
+
+    def _start_solo(self, job: Job) -> None:
+        cache = self._fetch(job)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        rest = job.prompt[job.cached_tokens :]
+        if job.request.sampling.seed is not None:
+            mx.random.seed(job.request.sampling.seed)
+
+        def prefill_progress(processed: int, total: int) -> None:
+            stop = job.guard.check(f"in prefill ({processed}/{total} prompt tokens)")
+            if stop is not None:
+                raise _StoppedInPrefill(stop)
+            self._progress += 1
+            self._heartbeat_in_prefill(processed)
+
+        steps = generate_step(
+            mx.array(rest),
+            self.model,
+            max_tokens=job.max_tokens,
+            sampler=job.sampler,
+            prompt_cache=cache,
+            prefill_step_size=PREFILL_STEP_TOKENS,
+            prompt_progress_callback=prefill_progress,
+        )
+        job.started = time.perf_counter()
+        mx.reset_peak_memory()
+        self.solo = _Solo(job, cache, rest, steps)
+
+    def _heartbeat_in_prefill(self, processed: int) -> None:
+        now = time.perf_counter()
+        if now - self._last_beat >= HEARTBEAT_INTERVAL_S:
+            self._last_beat = now
+            self.send(Heartbeat("prefill", processed, self.guard.figures))
+
+    def _open_batch(self) -> Any:
+        if self.batch is None:
+            self.batch = BatchGenerator(
+                self.model,
+                stop_tokens=self._stop_tokens,
+                completion_batch_size=self.max_concurrent,
+                prefill_batch_size=self.max_concurrent,
+                prefill_step_size=PREFILL_STEP_TOKENS,
+            )
+            self._steps = 0
+        return self.batch
+
+    def _join_batch(self, job: Job) -> None:
+        batch = self._open_batch()
+        cache = self._fetch(job)
+        (uid,) = batch.insert(
+            [job.prompt[job.cached_tokens :]],
+            max_tokens=[job.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[job.prompt[: job.cached_tokens]],
+            samplers=[job.sampler],
+        )
+        job.uid, job.batched, job.started = uid, True, time.perf_counter()
+        self.in_batch[uid] = job
+
+    def _move_solo_to_batch(self, solo: _Solo) -> bool:
+        """Move the lone request into a batch where it left off; False when
+        its cache cannot be cut back by the token it computed ahead."""
+        job = solo.job
+        if not self._batchable(job) or not can_trim_prompt_cache(solo.cache):
+            return False
+        solo.steps.close()
+        self.solo = None
+        try:
+            uid = self._insert_moved(solo)
+        except Exception as exc:  # it cannot go on: it fails, alone
+            self._fail(job, exc)
+            return True
+        job.uid, job.batched = uid, True
+        self.in_batch[uid] = job
+        log.debug("moved_to_batch", request_id=job.request_id, tokens=len(job.tokens))
+        return True
+
+    def _insert_moved(self, solo: _Solo) -> int:
+        job = solo.job
+        batch = self._open_batch()
+        if not job.tokens:  # not started: it joins like a newcomer (its cache untouched)
+            caches = [solo.cache] if job.cached_tokens else None
+            (uid,) = batch.insert(
+                [solo.rest],
+                max_tokens=[job.max_tokens],
+                caches=caches,
+                all_tokens=[job.prompt[: job.cached_tokens]],
+                samplers=[job.sampler],
+            )
+        else:
+            # generate_step has fed the last token it gave us into the cache:
+            # cut it back, and let the batch feed it again.
+            trim_prompt_cache(solo.cache, 1)
+            (uid,) = batch.insert(
+                [[job.tokens[-1]]],
+                max_tokens=[job.max_tokens - len(job.tokens)],
+                caches=[solo.cache],
+                all_tokens=[job.prompt + job.tokens[:-1]],
+                samplers=[job.sampler],
+            )
+        return int(uid)
+
+    # --- stepping ------------------------------------------------------------
+
+    def _running(self) -> list[Job]:
+        jobs = list(self.in_batch.values())
+        if self.solo is not None:
+            jobs.append(self.solo.job)
+        return jobs
+
+    def _step_solo(self, solo: _Solo) -> None:
+        job = solo.job
+        try:
+            token, _ = next(solo.steps)
+        except _StoppedInPrefill as stopped:
+            self.solo = None
+            job.detail = stopped.detail
+            self._finish(job, "memory_pressure")
+            return
+        except StopIteration:  # max_tokens reached (we stop before it does)
+            self.solo = None
+            self._finish(job, "length", cache=solo.cache)
+            return
+        except Exception as exc:
+            self.solo = None
+            self._fail(job, exc)
+            return
+        try:
+            finish = self._on_token(job, token, None)
+        except Exception as exc:
+            solo.steps.close()
+            self.solo = None
+            self._fail(job, exc)
+            return
+        if finish is None:
+            detail = job.guard.at_token(len(job.tokens))
+            if detail is not None:
+                job.detail, finish = detail, "memory_pressure"
+            elif self.is_cancelled(job.request_id):
+                finish = "cancelled"
+        if finish is not None:
+            solo.steps.close()
+            self.solo = None
+            self._finish(job, finish, cache=solo.cache)
+
+    def _step_batch(self, batch: Any) -> None:
+        try:
+            prompt_responses, responses = batch.next()
+        except Exception as exc:  # the batch's state is lost: every request in it fails
+            log.exception("batch_step_failed")
+            jobs = list(self.in_batch.values())
+            self._close_batch()
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        self._steps += 1
+        if prompt_responses:
+            self._progress += 1
+        for r in responses:
+            found = self.in_batch.get(r.uid)
+            if found is None:
+                continue
+            job = found
+            try:
+                finish = self._on_token(job, r.token, r.finish_reason)
+            except Exception as exc:
+                self._remove_from_batch([job])
+                self._fail(job, exc)
+                continue
+            if finish is not None:
+                del self.in_batch[r.uid]
+                cache = r.prompt_cache if r.finish_reason is not None else None
+                if cache is None:  # ended here, not by the batch: take it out
+                    cache = self._remove_from_batch([job]).get(r.uid)
+                self._finish(job, finish, cache=cache)
+        self._check_batch()
+        if not self.in_batch:
+            self._close_batch()
+
+    def _check_batch(self) -> None:
+        """Cancels every step; memory every CHECK_EVERY_TOKENS steps (or at
+        each prefill chunk). Memory stops the newest request first."""
+        cancelled = [j for j in self.in_batch.values() if self.is_cancelled(j.request_id)]
+        if cancelled:
+            caches = self._remove_from_batch(cancelled)
+            for job in cancelled:
+                self._finish(job, "cancelled", cache=caches.get(job.uid or -1))
+        if not self.in_batch or self._steps % CHECK_EVERY_TOKENS:
+            return
+        newest: Job = max(self.in_batch.values(), key=lambda j: j.uid or 0)
+        detail = newest.guard.check(f"at batch step {self._steps}")
+        if detail is not None:
+            self._remove_from_batch([newest])
+            newest.detail = detail
+            self._finish(newest, "memory_pressure")
+            self._steps -= 1  # check again at the next step
+
+    def _remove_from_batch(self, jobs: Sequence[Job]) -> dict[int, PromptCache]:
+        """Take ``jobs`` out of the batch; returns the caches of those that
+        generated something (uid -> cache)."""
+        if self.batch is None:
+            return {}
+        uids = [j.uid for j in jobs if j.uid is not None]
+        for uid in uids:
+            self.in_batch.pop(uid, None)
+        keep = {j.uid for j in jobs if j.tokens and j.use_cache}
+        extracted = self.batch.remove(uids, return_prompt_caches=bool(keep))
+        return {uid: cache for uid, (cache, _) in extracted.items() if uid in keep}
+
+    def _close_batch(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
+            self.in_batch.clear()
+
+    def _on_token(self, job: Job, token: int, batch_finish: str | None) -> FinishReason | None:
+        """Take one generated token: text out to the client; the finish, if any."""
+        if job.first_token_at is None:
+            job.first_token_at = time.perf_counter()
+        job.tokens.append(token)
+        count = len(job.tokens)
+        self._progress += 1
+        self.faults.at_token(count)
+        finish: FinishReason | None = None
+        if token in self.tokenizer.eos_token_ids or batch_finish == "stop":
+            finish = "stop"
+            job.detokenizer.finalize()
+        else:
+            job.detokenizer.add_token(token)
+            if count >= job.max_tokens or batch_finish == "length":
+                finish = "length"
+                job.detokenizer.finalize()
+        self.send(TextChunk(job.request_id, job.detokenizer.last_segment, count))
+        return finish
+
+    # --- ending requests -----------------------------------------------------
+
+    def _finish(self, job: Job, finish: FinishReason, cache: PromptCache | None = None) -> None:
+        """Store the request's cache, send its GenerationDone, log it."""
+        if finish == "memory_pressure":
+            self.guard.emergency_cleanup(f"request {job.request_id} stopped")
+        elif cache is not None and job.tokens and job.use_cache and self.prefix_cache is not None:
+            self.prefix_cache.store(job.prompt + job.tokens, cache)
+        now = time.perf_counter()
+        computed = len(job.prompt) - job.cached_tokens
+        first = job.first_token_at
+        prefill_s = (first - job.started) if first is not None and job.started else 0.0
+        decode_s = (now - first) if first is not None else 0.0
+        done = GenerationDone(
+            request_id=job.request_id,
+            prompt_tokens=len(job.prompt),
+            generation_tokens=len(job.tokens),
+            prompt_tps=computed / prefill_s if prefill_s > 0 else 0.0,
+            generation_tps=len(job.tokens) / decode_s if decode_s > 0 else 0.0,
+            ttft_s=(first - job.received) if first is not None else 0.0,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+            finish_reason=finish,
+            max_tokens_clamped_to=job.clamped_to,
+            detail=job.detail,
+            cached_tokens=job.cached_tokens,
+            batched=job.batched,
+        )
+        self.send(done)  # the client first, the log after
+        self.on_finished(job.request_id, len(job.tokens))
+        log.info(
+            "generation_done",
+            request_id=job.request_id,
+            tokens=done.generation_tokens,
+            prompt_tokens=done.prompt_tokens,
+            cached_tokens=done.cached_tokens,
+            tps=round(done.generation_tps, 1),
+            finish_reason=finish,
+            batched=job.batched,
+            max_tokens_clamped_to=job.clamped_to,
+            detail=job.detail,
+        )
+        self._report()
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        log.error("generation_failed", request_id=job.request_id, error=repr(exc))
+        self.send(GenerationFailed(job.request_id, f"{type(exc).__name__}: {exc}"))
+        self.on_finished(job.request_id, None)
+        self._report()
+
+    def _report(self) -> None:
+        self.stats_snapshot = self.stats()
+        self.send(EngineReport(self.stats_snapshot))
+
+    def _evict_for_memory(self) -> None:
+        """The memory guard's first resort: the prefix cache goes, LRU first."""
+        if self.prefix_cache is not None and len(self.prefix_cache.index):
+            freed = self.prefix_cache.evict(None)
+            log.warning("prefix_cache_evicted_for_memory", freed_bytes=freed)
+            self.stats_snapshot = self.stats()
+
+
+def default_prefix_cache_bytes(guard: MemoryGuard) -> int:
+    """A quarter of the runner's memory budget, or of what the machine has
+    available now when there is no budget."""
+    plan = guard.plan
+    if plan is not None and plan.budget_bytes is not None:
+        return int(plan.budget_bytes * PREFIX_CACHE_SHARE)
+    view = guard.last_view if guard.last_view is not None else guard.refresh()
+    return int(view.remaining_bytes * PREFIX_CACHE_SHARE)

@@ -1,0 +1,311 @@
+"""The runner's engine in process: the prefix cache and requests served side by side.
+
+Greedy outputs are the yardstick: a request must produce the same tokens
+whether its prefix came from the cache or was computed, and whether it ran
+alone or in a batch (on the fp32 builtins, where batching is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from ipc.messages import (
+    ChatMessage,
+    EngineReport,
+    EngineSettings,
+    Generate,
+    GenerationDone,
+    GenerationFailed,
+    MemoryPlan,
+    SamplingParams,
+    TextChunk,
+)
+from runner.engine import Engine, build_prompt_tokens
+from runner.faults import Faults
+from runner.guard import MemoryGuard
+from runner.loading import LoadedModel, load_model
+
+PROMPTS = [
+    "The supervisor restarts a runner that crashed",
+    "Memory comes back when the process dies",
+    "A prefix cache saves the prompt's work",
+    "Four clients at once share one model",
+    "Unload escalates from a message to SIGKILL",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("builtin:tiny", lambda phase, done, total: None)
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> LoadedModel:
+    return load_model("builtin:tiny-qwen3", lambda phase, done, total: None)
+
+
+class Harness:
+    """An engine with its frames collected per request, and cancels by id."""
+
+    def __init__(self, model: LoadedModel, settings: EngineSettings | None = None,
+                 guard: MemoryGuard | None = None) -> None:  # fmt: skip
+        self.frames: list[Any] = []
+        self.cancelled: set[int] = set()
+        self.finished: list[int] = []
+        self.engine = Engine(
+            model.model,
+            model.tokenizer,
+            settings or EngineSettings(),
+            guard=guard or MemoryGuard(),
+            faults=Faults(""),
+            send=self.frames.append,
+            is_cancelled=self.cancelled.__contains__,
+            on_finished=lambda request_id, tokens: self.finished.append(request_id),
+            max_tokens_cap=None,
+        )
+        self.next_id = 1
+
+    def submit(self, prompt: str | list[ChatMessage], max_tokens: int = 24,
+               **fields: Any) -> int:  # fmt: skip
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        sampling = SamplingParams(max_tokens=max_tokens, **fields.pop("sampling", {}))
+        if isinstance(prompt, str):
+            request = Generate(request_id, prompt=prompt, sampling=sampling, **fields)
+        else:
+            request = Generate(request_id, messages=prompt, sampling=sampling, **fields)
+        self.engine.submit(request)
+        return request_id
+
+    def run(self, until: Callable[[], bool] | None = None, limit: int = 100_000) -> None:
+        """Step until idle (or ``until`` holds)."""
+        for _ in range(limit):
+            if self.engine.idle or (until is not None and until()):
+                return
+            self.engine.step()
+        raise AssertionError("the engine did not finish")
+
+    def tokens_of(self, request_id: int) -> int:
+        chunks = [f for f in self.frames if isinstance(f, TextChunk)]
+        return sum(1 for f in chunks if f.request_id == request_id)
+
+    def text(self, request_id: int) -> str:
+        return "".join(
+            f.text for f in self.frames if isinstance(f, TextChunk) and f.request_id == request_id
+        )
+
+    def done(self, request_id: int) -> GenerationDone:
+        (done,) = [f for f in self.frames
+                   if isinstance(f, GenerationDone) and f.request_id == request_id]  # fmt: skip
+        return done
+
+
+def alone(model: LoadedModel, prompt: str | list[ChatMessage], max_tokens: int = 24,
+          **fields: Any) -> tuple[str, GenerationDone]:  # fmt: skip
+    """The request served by a fresh engine with no cache: the reference output."""
+    h = Harness(model, EngineSettings(max_concurrent=1, prefix_cache=False))
+    request_id = h.submit(prompt, max_tokens, **fields)
+    h.run()
+    return h.text(request_id), h.done(request_id)
+
+
+def chat_turns(
+    model: LoadedModel, harness: Harness, turns: int
+) -> Iterator[tuple[str, str, GenerationDone]]:
+    """A conversation: each turn appends the answer and a new user line.
+    Yields (our text, the uncached reference's text, our GenerationDone)."""
+    history = [ChatMessage("system", "You are terse. " * 20)]
+    for turn in range(turns):
+        history.append(ChatMessage("user", f"Question {turn}: {PROMPTS[turn % len(PROMPTS)]}?"))
+        request_id = harness.submit(list(history), max_tokens=12)
+        harness.run()
+        text = harness.text(request_id)
+        reference, _ = alone(model, list(history), max_tokens=12)
+        yield text, reference, harness.done(request_id)
+        history.append(ChatMessage("assistant", text))
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3"])
+def test_multi_turn_chat_reuses_the_cache_and_matches_the_uncached_output(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    model: LoadedModel = request.getfixturevalue(name)
+    h = Harness(model)
+    turns = list(chat_turns(model, h, 5))
+    for turn, (text, reference, done) in enumerate(turns):
+        assert text == reference, f"turn {turn}"
+        assert done.finish_reason == "length"
+    assert turns[0][2].cached_tokens == 0
+    for turn in range(1, len(turns)):
+        done, before = turns[turn][2], turns[turn - 1][2]
+        # At least the last turn's whole prompt came from the cache (the answer's
+        # text may tokenise differently from the tokens generated: the cache is
+        # cut back to where they differ).
+        assert before.prompt_tokens <= done.cached_tokens < done.prompt_tokens, (turn, done)
+    stats = h.engine.stats().prefix_cache
+    assert stats is not None and stats.hits == 4 and stats.misses == 1
+    # At most one entry per turn: an entry whose key the next one extends is
+    # superseded (the answer re-tokenised as generated), the others stay.
+    assert 1 <= stats.entries <= 5 and stats.evictions == 0
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3"])
+def test_a_prompt_that_diverges_midway_is_trimmed_to_the_shared_prefix(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    model: LoadedModel = request.getfixturevalue(name)
+    h = Harness(model)
+    base = " ".join(PROMPTS)
+    first = h.submit(base + " and then the end.", max_tokens=8)
+    h.run()
+    stored = build_prompt_tokens(model.tokenizer, Generate(0, prompt=base + " and then the end."))
+    index = h.engine.prefix_cache.index  # type: ignore[union-attr]
+    (entry_key,) = index.keys()  # the prompt and the 8 tokens generated
+    assert list(entry_key[: len(stored)]) == stored and len(entry_key) == len(stored) + 8
+    assert h.done(first).cached_tokens == 0
+    entry = index.peek([*entry_key, 0])
+    assert entry is not None and entry.reuse == len(entry_key)
+    snapshot = [mx.array(layer.keys) for layer in entry.value]  # what the entry held
+
+    other = base + " but a different ending here."
+    second = h.submit(other, max_tokens=16)
+    h.run()
+    shared = _common_prefix(stored, build_prompt_tokens(model.tokenizer,
+                                                        Generate(0, prompt=other)))  # fmt: skip
+    assert 0 < shared < len(stored)
+    assert h.done(second).cached_tokens == shared
+    reference, _ = alone(model, other, max_tokens=16)
+    assert h.text(second) == reference
+    # The stored entry was read, never written: its arrays hold what they held.
+    for layer, before in zip(entry.value, snapshot, strict=True):
+        assert mx.array_equal(layer.keys, before).item()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_requests_in_a_batch_give_the_tokens_they_give_alone(tiny: LoadedModel) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    lengths = [30, 12, 45, 20, 8]
+    ids = [h.submit(p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    h.run()
+    for request_id, prompt, n in zip(ids, PROMPTS, lengths, strict=True):
+        done = h.done(request_id)
+        assert done.batched and done.generation_tokens == n
+        assert h.text(request_id) == alone(tiny, prompt, n)[0]
+    assert h.engine.stats().active_requests == 0
+
+
+def test_a_lone_request_moves_into_a_batch_where_it_left_off(tiny: LoadedModel) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    first = h.submit(PROMPTS[0], 40)
+    h.run(until=lambda: h.tokens_of(first) >= 10)
+    assert h.engine.solo is not None  # alone so far: the fast path
+    second = h.submit(PROMPTS[1], 20)
+    h.run()
+    assert h.done(first).batched and h.done(second).batched
+    assert h.text(first) == alone(tiny, PROMPTS[0], 40)[0]
+    assert h.text(second) == alone(tiny, PROMPTS[1], 20)[0]
+
+
+def test_a_request_cancelled_in_a_batch_ends_alone(tiny: LoadedModel) -> None:
+    h = Harness(tiny)
+    ids = [h.submit(p, 40) for p in PROMPTS[:3]]
+    h.run(until=lambda: h.tokens_of(ids[1]) >= 5)
+    h.cancelled.add(ids[1])
+    h.run()
+    assert h.done(ids[1]).finish_reason == "cancelled"
+    assert 5 <= h.done(ids[1]).generation_tokens < 40
+    for request_id in (ids[0], ids[2]):
+        assert h.done(request_id).generation_tokens == 40
+    assert h.text(ids[2]) == alone(tiny, PROMPTS[2], 40)[0]
+    assert sorted(h.finished) == sorted(ids)
+
+
+def test_one_requests_error_ends_that_request_not_the_batch(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    ids = [h.submit(p, 30) for p in PROMPTS[:3]]
+    h.run(until=lambda: h.tokens_of(ids[0]) >= 3)
+    victim = next(job for job in h.engine.in_batch.values() if job.request_id == ids[1])
+
+    def broken(token: int) -> None:
+        raise RuntimeError("detokenizer broke")
+
+    monkeypatch.setattr(victim.detokenizer, "add_token", broken)
+    h.run()
+    (failed,) = [f for f in h.frames if isinstance(f, GenerationFailed)]
+    assert failed.request_id == ids[1] and "detokenizer broke" in failed.error
+    for request_id, prompt in ((ids[0], PROMPTS[0]), (ids[2], PROMPTS[2])):
+        assert h.done(request_id).generation_tokens == 30
+        assert h.text(request_id) == alone(tiny, prompt, 30)[0]
+
+
+def test_a_seeded_request_runs_alone_and_is_reproducible(tiny: LoadedModel) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    sampling = {"temperature": 1.0, "seed": 7}
+    ids = [h.submit(PROMPTS[0], 20), h.submit(PROMPTS[1], 20, sampling=sampling),
+           h.submit(PROMPTS[2], 20)]  # fmt: skip
+    h.run()
+    assert not h.done(ids[1]).batched
+    assert h.text(ids[1]) == alone(tiny, PROMPTS[1], 20, sampling=sampling)[0]
+    assert h.text(ids[0]) == alone(tiny, PROMPTS[0], 20)[0]
+
+
+def test_cache_opt_out_and_switch(tiny: LoadedModel) -> None:
+    h = Harness(tiny)
+    for _ in range(2):
+        request_id = h.submit(PROMPTS[0], 8, cache=False)
+        h.run()
+        assert h.done(request_id).cached_tokens == 0
+    stats = h.engine.stats().prefix_cache
+    assert stats is not None and (stats.entries, stats.hits, stats.misses) == (0, 0, 0)
+    off = Harness(tiny, EngineSettings(prefix_cache=False))
+    assert off.engine.stats().prefix_cache is None
+
+
+def test_the_cache_stays_within_its_budget(tiny: LoadedModel) -> None:
+    one = Harness(tiny)
+    request_id = one.submit(PROMPTS[0], 16)
+    one.run()
+    entry_bytes = one.engine.stats().prefix_cache.bytes  # type: ignore[union-attr]
+    budget = int(entry_bytes * 2.5)
+    h = Harness(tiny, EngineSettings(prefix_cache_bytes=budget))
+    for prompt in PROMPTS:
+        h.submit(prompt, 16)
+        h.run()
+        stats = h.engine.stats().prefix_cache
+        assert stats is not None and stats.bytes <= budget
+    assert stats.evictions >= 2 and stats.entries <= 2
+    reports = [f for f in h.frames if isinstance(f, EngineReport)]
+    assert all(r.engine.prefix_cache.bytes <= budget for r in reports)  # type: ignore[union-attr]
+    assert one.done(request_id).finish_reason == "length"
+
+
+def test_the_memory_guard_frees_the_prefix_cache_first(tiny: LoadedModel) -> None:
+    total = 64 << 30
+    guard = MemoryGuard(MemoryPlan(total_bytes=total, budget_bytes=1 << 40))
+    h = Harness(tiny, guard=guard)
+    h.submit(PROMPTS[0], 8)
+    h.run()
+    assert h.engine.stats().prefix_cache.entries == 1  # type: ignore[union-attr]
+    guard.emergency_cleanup("test")
+    assert h.engine.stats().prefix_cache.entries == 0  # type: ignore[union-attr]
+
+
+def test_the_status_says_why_a_model_cannot_batch(tiny: LoadedModel) -> None:
+    h = Harness(tiny, EngineSettings(max_concurrent=1))
+    stats = h.engine.stats()
+    assert (stats.batching, stats.max_concurrent) == (False, 1)
+    assert stats.batching_reason == "max_concurrent is 1"
+    ids = [h.submit(p, 10) for p in PROMPTS[:2]]
+    h.run()
+    assert not h.done(ids[0]).batched and not h.done(ids[1]).batched
