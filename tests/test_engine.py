@@ -309,3 +309,21 @@ def test_the_status_says_why_a_model_cannot_batch(tiny: LoadedModel) -> None:
     ids = [h.submit(p, 10) for p in PROMPTS[:2]]
     h.run()
     assert not h.done(ids[0]).batched and not h.done(ids[1]).batched
+
+
+def test_a_cancel_ends_a_request_wherever_it_waits_and_the_first_in_a_batch_keeps_its_cache(
+    tiny: LoadedModel,
+) -> None:
+    h = Harness(tiny)
+    first, second = h.submit(PROMPTS[0], 200), h.submit(PROMPTS[1], 200)  # batch uids 0, 1
+    seeded = h.submit(PROMPTS[2], 5, sampling={"temperature": 1.0, "seed": 3})  # waits: alone
+    behind = h.submit(PROMPTS[3], 5)  # waits behind the seeded one
+    h.run(until=lambda: h.tokens_of(first) >= 5)
+    h.cancelled.update({behind, first})
+    h.engine.step()
+    assert h.done(behind).finish_reason == "cancelled"  # at once, not after the batch
+    assert h.done(first).finish_reason == "cancelled"
+    h.run()
+    assert h.done(second).generation_tokens == 200 and h.done(seeded).generation_tokens == 5
+    stats = h.engine.stats().prefix_cache
+    assert stats is not None and stats.entries == 3  # first (uid 0), second and seeded

@@ -237,6 +237,17 @@ class Engine:
         self._report()
         return dropped
 
+    def fail_all(self, exc: BaseException) -> None:
+        """Something broke outside any one request: every request in the
+        engine fails with it, and the engine starts afresh (the runner lives)."""
+        jobs = [*self._running(), *self.pending]
+        self.pending.clear()
+        self.solo = None
+        self.in_batch.clear()
+        self.batch = None
+        for job in jobs:
+            self._fail(job, exc)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             active_requests=self.active,
@@ -280,7 +291,12 @@ class Engine:
 
     def _start_pending(self) -> None:
         """Start the waiting requests that can start, in arrival order; one
-        that fails to start fails alone."""
+        that fails to start fails alone. Cancelled ones end wherever they are
+        in line."""
+        if any(self.is_cancelled(j.request_id) for j in self.pending):
+            for job in [j for j in self.pending if self.is_cancelled(j.request_id)]:
+                self.pending.remove(job)
+                self._finish(job, "cancelled")
         while self.pending:
             job = self.pending[0]
             try:
@@ -501,19 +517,20 @@ class Engine:
                 if cache is None:  # ended here, not by the batch: take it out
                     cache = self._remove_from_batch([job]).get(r.uid)
                 self._finish(job, finish, cache=cache)
-        self._check_batch()
+        self._check_batch(bool(prompt_responses))
         if not self.in_batch:
             self._close_batch()
 
-    def _check_batch(self) -> None:
-        """Cancels every step; memory every CHECK_EVERY_TOKENS steps (or at
-        each prefill chunk). Memory stops the newest request first."""
+    def _check_batch(self, prefilled: bool) -> None:
+        """Cancels every step; memory every CHECK_EVERY_TOKENS steps and after
+        each prefill chunk (``prefilled``). Memory stops the newest request first."""
         cancelled = [j for j in self.in_batch.values() if self.is_cancelled(j.request_id)]
         if cancelled:
             caches = self._remove_from_batch(cancelled)
             for job in cancelled:
-                self._finish(job, "cancelled", cache=caches.get(job.uid or -1))
-        if not self.in_batch or self._steps % CHECK_EVERY_TOKENS:
+                cache = caches.get(job.uid) if job.uid is not None else None
+                self._finish(job, "cancelled", cache=cache)
+        if not self.in_batch or (self._steps % CHECK_EVERY_TOKENS and not prefilled):
             return
         newest: Job = max(self.in_batch.values(), key=lambda j: j.uid or 0)
         detail = newest.guard.check(f"at batch step {self._steps}")
@@ -615,7 +632,7 @@ class Engine:
         self.send(EngineReport(self.stats_snapshot))
 
     def _evict_for_memory(self) -> None:
-        """The memory guard's first resort: the prefix cache goes, LRU first."""
+        """The memory guard's first resort: the whole prefix cache goes."""
         if self.prefix_cache is not None and len(self.prefix_cache.index):
             freed = self.prefix_cache.evict(None)
             log.warning("prefix_cache_evicted_for_memory", freed_bytes=freed)

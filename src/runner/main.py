@@ -177,7 +177,7 @@ class Runner:
                 command = None
             if isinstance(command, Shutdown):
                 if engine is not None and not engine.idle:
-                    engine.step()  # the requests in flight end as cancelled first
+                    self.step(engine)  # the requests in flight end as cancelled first
                     self.commands.put(command)
                     continue
                 return f"shutdown: {command.reason}"
@@ -190,7 +190,16 @@ class Runner:
                 log.info("prefix_cache_cleared", entries=entries, bytes=nbytes)
                 self.channel.send(CacheCleared(self.name, entries, nbytes))
             if command is None and engine is not None:
-                engine.step()
+                self.step(engine)
+
+    def step(self, engine: Engine) -> None:
+        """One engine step, as a fault boundary: an error no one request owns
+        fails the requests in the engine, not the runner."""
+        try:
+            engine.step()
+        except Exception as exc:
+            log.exception("engine_step_failed")
+            engine.fail_all(exc)
 
     def load(self, command: LoadModel) -> None:
         """Load the model of ``command`` under its memory plan; send Ready.

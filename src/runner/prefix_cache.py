@@ -102,6 +102,9 @@ class PrefixCache:
             # A cache that does not hold what its key says would poison every later hit.
             log.error("prefix_cache_key_mismatch", tokens=len(tokens), cached=cache[0].size())
             return False
+        # A cache taken out of a batch is a lazy slice of the batch's arrays:
+        # evaluate it so that it holds its own buffer, not the whole batch's.
+        mx.eval([layer.state for layer in cache])
         stored = self.index.insert(tokens, cache, cache_nbytes(cache), trimmable=trimmable)
         self._release_evicted()
         return stored
