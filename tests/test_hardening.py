@@ -201,10 +201,10 @@ def test_failed_handshakes_and_loads_leak_no_fds_or_children(start_daemon: Daemo
         return proc.num_fds()
 
     fds_before, children_before = quiet_fds(), len(proc.children())
-    for i in range(12):
+    for i in range(8):
         with pytest.raises(ClientError, match="handshake"):
             client.load("builtin:tiny", f"h{i}", env=faults("exit_in_handshake"))
-    for i in range(10):
+    for i in range(6):
         with pytest.raises(ClientError) as excinfo:
             client.load("builtin:tiny", f"i{i}", env=faults("exit_at_import"))
         assert excinfo.value.code == "load_failed"
