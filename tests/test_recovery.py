@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from conftest import DaemonFactory, assert_reaped
+from ipc.messages import RunnerInfo
 from supervisor.client import Client, ClientError
 from supervisor.spawn import DaemonProcess
 from supervisor.state import DaemonState, RunnerRecord, StateFile, state_path
@@ -28,7 +29,7 @@ def faults(spec: str) -> dict[str, str]:
     return {"MLX_SUPERVISOR_FAULTS": spec}
 
 
-def runner(client: Client, name: str):  # type: ignore[no-untyped-def]
+def runner(client: Client, name: str) -> RunnerInfo:
     return next(r for r in client.status().runners if r.name == name)
 
 

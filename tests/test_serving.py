@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from conftest import DaemonFactory
-from ipc.messages import GenerationDone, RunnerInfo
+from ipc.messages import GenerationDone
 from supervisor.client import Client, ClientError
 from supervisor.spawn import DaemonProcess
+from test_recovery import FAST, faults, runner
 
 PROMPTS = [
     "The supervisor restarts a runner that crashed",
@@ -22,17 +23,6 @@ PROMPTS = [
     "A prefix cache saves the prompt's work",
     "Four clients at once share one model",
 ]
-FAST = "restart_backoff_s = 0.1\nrestart_backoff_cap_s = 0.4\n"
-
-
-def faults(spec: str) -> dict[str, str]:
-    return {"MLX_SUPERVISOR_FAULTS": spec}
-
-
-def runner(client: Client, name: str) -> RunnerInfo:
-    return next(r for r in client.status().runners if r.name == name)
-
-
 class Streams:
     """Generations started together on threads; each one's outcome."""
 
