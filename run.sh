@@ -41,7 +41,9 @@ case "$command" in
     ;;
   test)
     ensure_venv
-    exec .venv/bin/python -m pytest -q "$@"
+    # Two workers: most tests wait on child processes, so two run side by side even on
+    # two cores. TEST_WORKERS=0 runs them in this process (for pdb, or -x).
+    exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" "$@"
     ;;
   lint)
     ensure_venv

@@ -299,7 +299,7 @@ def start_daemon(stack: contextlib.ExitStack, tmp: Path, config: str) -> tuple[C
     stderr if the run failed). Returns a client and the DaemonProcess."""
     config_path = tmp / "engine.toml"
     config_path.write_text(config, encoding="utf-8")
-    env = {}
+    env = {"MLX_SUPERVISOR_HTTP": "off"}
     for variable, name in [
         ("XDG_STATE_HOME", "state"),
         ("XDG_RUNTIME_DIR", "run"),

@@ -131,7 +131,7 @@ class Daemon:
         config_path.write_text(config, encoding="utf-8")
         home = tmp / label
         home.mkdir(mode=0o700)
-        env = {}
+        env = {"MLX_SUPERVISOR_HTTP": "off"}  # many daemons at once: no shared port
         for variable, name in [("XDG_STATE_HOME", "state"), ("XDG_RUNTIME_DIR", "run"),
                                ("XDG_CONFIG_HOME", "config")]:  # fmt: skip
             (home / name).mkdir(mode=0o700)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import tomllib
@@ -12,16 +13,34 @@ from typing import Any
 import psutil
 import pytest
 
+from runner.builtin import builtin_cache_dir, ensure_builtin_model
 from supervisor.client import Client
+from supervisor.config import HTTP_ENV
 from supervisor.spawn import DaemonProcess
 
 REAP_TIMEOUT_S = 5.0
+# Read at import, before the fixtures point XDG_CACHE_HOME at the session's temporary cache:
+# builtin:smollm2 is fetched (93 MB) and converted once per machine, not once per test run.
+USER_BUILTIN_CACHE = builtin_cache_dir()
 
 
 @pytest.fixture(scope="session")
 def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One XDG cache for the session, so builtin models are made once."""
     return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(builtin_cache: Path) -> Path:
+    """builtin:smollm2 made in the user's real cache (fetched on the first run)
+    and linked into the session's cache, where the tests' runners look."""
+    real = ensure_builtin_model("builtin:smollm2", USER_BUILTIN_CACHE)
+    link = builtin_cache / "mlx-supervisor" / "builtin" / real.name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        with contextlib.suppress(FileExistsError):  # another worker linked it first
+            link.symlink_to(real, target_is_directory=True)
+    return real
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +61,8 @@ def isolated_xdg(
         monkeypatch.setenv(var, str(path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(builtin_cache))
     monkeypatch.delenv("MLX_SUPERVISOR_SOCKET", raising=False)
+    # No fixed HTTP port shared by daemons in parallel: tests that want HTTP ask for port 0.
+    monkeypatch.setenv(HTTP_ENV, "off")
     yield
 
 

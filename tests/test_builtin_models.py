@@ -80,7 +80,7 @@ def _greedy_tokens(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> lis
 
 def test_names() -> None:
     assert BUILTIN_PREFIX == "builtin:"
-    assert BUILTIN_NAMES == ("tiny", "small", "tiny-qwen3")
+    assert BUILTIN_NAMES == ("tiny", "small", "tiny-qwen3", "smollm2")
     assert is_builtin("builtin:tiny")
     assert is_builtin("builtin:nope")
     assert not is_builtin("mlx-community/Qwen3-0.6B-4bit")

@@ -89,8 +89,9 @@ class Harness:
         raise AssertionError("the engine did not finish")
 
     def tokens_of(self, request_id: int) -> int:
-        chunks = [f for f in self.frames if isinstance(f, TextChunk)]
-        return sum(1 for f in chunks if f.request_id == request_id)
+        """Tokens the request's frames have covered so far."""
+        chunks = [f for f in self.frames if isinstance(f, TextChunk) and f.request_id == request_id]
+        return chunks[-1].generation_tokens if chunks else 0
 
     def text(self, request_id: int) -> str:
         return "".join(
@@ -213,6 +214,74 @@ def test_a_lone_request_moves_into_a_batch_where_it_left_off(tiny: LoadedModel) 
     assert h.done(first).batched and h.done(second).batched
     assert h.text(first) == alone(tiny, PROMPTS[0], 40)[0]
     assert h.text(second) == alone(tiny, PROMPTS[1], 20)[0]
+
+
+def test_text_frames_carry_the_first_token_at_once_then_coalesce(tiny: LoadedModel) -> None:
+    every = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=0.0))
+    one = every.submit(PROMPTS[0], 30)
+    every.run()
+    assert [f.generation_tokens for f in every.frames if isinstance(f, TextChunk)] == list(
+        range(1, 31)
+    )
+    held = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=3600.0))
+    two = held.submit(PROMPTS[0], 30)
+    held.run()
+    frames = [f for f in held.frames if isinstance(f, TextChunk)]
+    assert [f.generation_tokens for f in frames] == [1, 30]  # the first, then all with the end
+    assert held.text(two) == every.text(one)
+    assert held.done(two).generation_tokens == 30
+
+
+def test_held_text_goes_out_before_a_newcomers_prefill(tiny: LoadedModel) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=3600.0))
+    first = h.submit(PROMPTS[0], 40)
+    h.run(until=lambda: h.engine.solo is not None and len(h.engine.solo.job.tokens) >= 10)
+    made = len(h.engine.solo.job.tokens) if h.engine.solo is not None else 0
+    assert h.tokens_of(first) == 1  # the rest is held
+    h.submit(PROMPTS[1], 20)
+    h.engine.step()  # the newcomer joins (and prefills): the first's text went out before
+    assert h.tokens_of(first) >= made
+    h.run()
+    assert h.text(first) == alone(tiny, PROMPTS[0], 40)[0]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_stop_string_ends_the_text_before_it_and_none_of_it_is_sent(
+    tiny: LoadedModel, together: bool
+) -> None:
+    full, _ = alone(tiny, PROMPTS[2], 40)
+    start = len(full) // 2
+    stop = full[start : start + 4]  # usually spans tokens: its start is held back
+    cut = full[: full.find(stop)]
+    h = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=0.0))
+    ids = [h.submit(PROMPTS[2], 40, sampling={"stop": (stop, "never appears")})]
+    if together:
+        ids.append(h.submit(PROMPTS[0], 40))
+    h.run()
+    assert h.text(ids[0]) == cut  # frames only add: nothing past the cut went out
+    done = h.done(ids[0])
+    assert done.finish_reason == "stop" and done.generation_tokens < 40
+    assert done.batched == together
+    if together:
+        assert h.text(ids[1]) == alone(tiny, PROMPTS[0], 40)[0]
+
+
+def test_text_held_back_for_a_stop_string_that_never_comes_is_sent_at_the_end(
+    tiny: LoadedModel,
+) -> None:
+    full, _ = alone(tiny, PROMPTS[2], 20)
+    h = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=0.0))
+    request_id = h.submit(PROMPTS[2], 20, sampling={"stop": (full[-1] + "\x00",)})
+    h.run()
+    assert h.text(request_id) == full
+    assert h.done(request_id).finish_reason == "length"
+
+
+def test_an_empty_stop_string_fails_the_request(tiny: LoadedModel) -> None:
+    h = Harness(tiny)
+    request_id = h.submit(PROMPTS[0], 5, sampling={"stop": ("",)})
+    (failed,) = [f for f in h.frames if isinstance(f, GenerationFailed)]
+    assert failed.request_id == request_id and "stop string" in failed.error
 
 
 def test_a_request_cancelled_in_a_batch_ends_alone(tiny: LoadedModel) -> None:

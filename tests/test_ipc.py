@@ -155,6 +155,8 @@ def _value_for(t: msgspec.inspect.Type, name: str, counter: Iterator[int]) -> An
         return _value_for(non_none[0], name, counter)
     if isinstance(t, msgspec.inspect.ListType):
         return [_value_for(t.item_type, name, counter) for _ in range(2)]
+    if isinstance(t, msgspec.inspect.VarTupleType):
+        return tuple(_value_for(t.item_type, name, counter) for _ in range(2))
     if isinstance(t, msgspec.inspect.DictType):
         return {
             _value_for(t.key_type, f"{name}-key", counter): _value_for(

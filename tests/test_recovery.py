@@ -170,7 +170,7 @@ def test_retry_happens_once_then_the_cause_is_reported(start_daemon: DaemonFacto
 
 
 def test_request_that_streamed_is_not_replayed(start_daemon: DaemonFactory) -> None:
-    daemon = start_daemon(FAST)
+    daemon = start_daemon(FAST + "stream_interval_ms = 0\n")  # a frame per token: 3 before
     client = Client(daemon.socket_path)
     client.load("builtin:tiny", env=faults("crash_at_token=4:SIGKILL"))
     with client.generate("tiny", PROMPT, max_tokens=50) as gen:

@@ -112,6 +112,29 @@ def test_the_prefix_cache_shows_in_status_and_clears_from_the_cli(
     assert excinfo.value.code == "unknown_model"
 
 
+def test_stop_strings_cut_the_text_through_the_socket_and_the_cli(
+    daemon: DaemonProcess, client: Client
+) -> None:
+    client.load("builtin:tiny")
+    full, _ = client.generate_text("tiny", PROMPTS[1], max_tokens=30, cache=False)
+    stop = full[len(full) // 2 :][:3]
+    text, done = client.generate_text("tiny", PROMPTS[1], max_tokens=30, stop=[stop])
+    assert text == full[: full.find(stop)] and done.finish_reason == "stop"
+    printed = subprocess.run(
+        [sys.executable, "-m", "supervisor", "generate", "tiny", PROMPTS[1], "--max-tokens",
+         "30", "--stop", stop, "--json", "--socket", str(daemon.socket_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    body, _, summary = printed.stdout.rstrip("\n").rpartition("\n")
+    assert body == text and '"finish_reason": "stop"' in summary
+    for bad in (["a", "b", "c", "d", "e"], [""], ["x" * 257]):
+        with pytest.raises(ClientError) as excinfo:
+            client.generate_text("tiny", PROMPTS[1], max_tokens=4, stop=bad)
+        assert excinfo.value.code == "bad_request"
+    assert client.generate_text("tiny", PROMPTS[1], max_tokens=30, cache=False)[0] == full
+
+
 def test_per_model_switches_in_the_config(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon(
         '[[models]]\nname = "plain"\nmodel = "builtin:tiny"\nprefix_cache = false\n'

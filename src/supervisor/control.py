@@ -196,6 +196,7 @@ class ControlServer:
         self.shutdown = shutdown
         self.request_exit = request_exit
         self.started = time.monotonic()
+        self.http_url: Callable[[], str | None] = lambda: None  # the HTTP front's, once it listens
         self.connections = 0
         self.allowed_uids = {os.geteuid(), *config.allowed_uids}
         # One codec for every connection: building a union decoder costs ~40 us.
@@ -306,6 +307,7 @@ class ControlServer:
                 version=__version__,
                 uptime_s=time.monotonic() - self.started,
                 socket=str(self.socket_path),
+                http=self.http_url(),
             ),
             system=self.registry.system_info(),
             runners=self.registry.status(),

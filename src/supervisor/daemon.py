@@ -13,11 +13,12 @@ from typing import Any
 
 import anyio
 import structlog
-from anyio.abc import SocketListener, SocketStream, TaskStatus
+from anyio.abc import SocketListener, SocketStream, TaskGroup, TaskStatus
 
 from supervisor import __version__
-from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.config import ModelConfig, SupervisorConfig, parse_listen
 from supervisor.control import ControlServer, claim_socket
+from supervisor.http_api import HttpFront
 from supervisor.registry import Registry, RequestError
 from supervisor.runner_handle import signal_name
 from supervisor.state import (
@@ -94,10 +95,13 @@ class Daemon:
                     self.registry, self.config, self.socket_path, self.shutdown, self._exit.set
                 )
                 await tg.start(self._watch_signals)  # before we say we serve
+                http = await self._start_http(tg, server)
                 tg.start_soon(serve_connections, listener, server.handle_connection)
                 log.info("daemon_started", pid=os.getpid(), version=__version__,
-                         socket=str(self.socket_path))  # fmt: skip
+                         socket=str(self.socket_path), http=server.http_url())  # fmt: skip
                 await self._exit.wait()
+                if http is not None:
+                    await http.stop()
                 tg.cancel_scope.cancel()
         finally:
             with contextlib.suppress(OSError):
@@ -106,6 +110,18 @@ class Daemon:
                 if os.stat(self.socket_path).st_ino == socket_inode:
                     self.socket_path.unlink()
             log.info("daemon_stopped", pid=os.getpid())
+
+    async def _start_http(self, tg: TaskGroup, server: ControlServer) -> HttpFront | None:
+        """Start the HTTP front in ``tg`` unless ``http_listen`` is off. An
+        address that cannot be had is logged, and the socket serves on alone."""
+        listen = parse_listen(self.config.http_listen)
+        if listen is None:
+            return None
+        assert self.registry is not None
+        front = HttpFront(self.registry, self.config, server.status)
+        await tg.start(front.serve, *listen)
+        server.http_url = lambda: front.url
+        return front
 
     def _models_at_start(self, previous: DaemonState) -> list[ModelConfig]:
         """Models to load at start: the config's preloads, then (restore_on_start)

@@ -57,6 +57,7 @@ from supervisor.memory.admission import Admission, AdmissionRefused
 from supervisor.memory.classify import classify_exit
 from supervisor.memory.estimate import Estimate, estimate_reference
 from supervisor.memory.monitor import MemoryMonitor, override_mb
+from supervisor.metrics import Metrics
 from supervisor.restart import RestartIntensity, RestartTracker
 from supervisor.runner_handle import RequestEvent, RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
@@ -87,6 +88,10 @@ QueueListener = Callable[[int], None]
 """Told a waiting request's place in line (1 = next); must not block."""
 
 
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256
+
+
 class RequestError(Exception):
     """A client request failed; ``code`` and the message go back to the client."""
 
@@ -97,10 +102,14 @@ class RequestError(Exception):
 
 
 def derive_name(model: str) -> str:
-    """Default model name: ``builtin:tiny`` -> ``tiny``; a path or repo id -> its last part."""
+    """Default model name: ``builtin:tiny`` -> ``tiny``; a path or repo id -> its
+    last part (``.../qwen.Q4_K.gguf`` -> ``qwen.Q4_K``)."""
     if model.startswith("builtin:"):
         return model.removeprefix("builtin:")
-    return PurePath(model.rstrip("/")).name or model
+    last = PurePath(model.rstrip("/"))
+    if last.suffix.lower() == ".gguf" and last.stem:
+        return last.stem
+    return last.name or model
 
 
 @dataclass(eq=False)
@@ -322,6 +331,7 @@ class Registry:
         )
         self.admission = Admission(config, self.monitor, self.counters)
         self._idle_changed = anyio.Event()
+        self.metrics = Metrics()  # every request, from the socket or HTTP, counts here
 
     def start_background(self) -> None:
         """Start the registry's own background work: the hot spare, the memory
@@ -504,6 +514,73 @@ class Registry:
             entry.progress_listeners.append(on_progress)
         self.entries[spec.name] = entry
         self.task_group.start_soon(self._supervise, entry, name=f"supervise {spec.name}")
+        return entry
+
+    def find(self, ref: str) -> ModelEntry | None:
+        """The model named ``ref``, else the one model loaded from reference ``ref``."""
+        entry = self.entries.get(ref)
+        if entry is not None:
+            return entry
+        matches = [e for e in list(self.entries.values()) if e.spec.model == ref]
+        return matches[0] if len(matches) == 1 else None
+
+    async def ensure_loaded(
+        self, ref: str, on_progress: ProgressListener | None = None
+    ) -> ModelEntry:
+        """The model a client names by ``ref``, loaded on demand if need be.
+
+        ``ref`` is a model's name, or the reference (``builtin:tiny``, a path,
+        a repo id) of a loaded or configured model. A configured model that
+        is not loaded is loaded (``load_on_demand``, on by default); any other
+        reference only with ``load_on_demand = "any"``. The load is a normal
+        one (admission, eviction, progress to ``on_progress``, the same
+        errors); requests for a model that is loading wait for the same load.
+        Returns once the model's first load is decided: a model that is
+        restarting or failed is returned as it is.
+
+        Raises:
+            RequestError: unknown_model (not loaded and not to be loaded on
+                demand), or the load's own error (load_failed,
+                insufficient_memory, shutting_down, bad_request, ...).
+        """
+        entry = self.find(ref)
+        if entry is None:
+            entry = self._load_on_demand(ref)
+        if not entry.loaded.is_set():
+            if on_progress is not None:
+                entry.progress_listeners.append(on_progress)
+            try:
+                await self.wait_loaded(entry)
+            finally:
+                if on_progress in entry.progress_listeners:
+                    entry.progress_listeners.remove(on_progress)
+        return entry
+
+    def _load_on_demand(self, ref: str) -> ModelEntry:
+        """Register the model ``ref`` names, if load_on_demand allows it.
+        Raises RequestError."""
+        mode = self.config.load_on_demand
+        configured = self.config.model_config(ref) or next(
+            (m for m in self.config.models if m.model == ref), None
+        )
+        if configured is not None and mode:
+            spec = self.spec_for(LoadRequest(model=configured.model, name=configured.name))
+        elif configured is None and mode == "any":
+            spec = self.spec_for(LoadRequest(model=ref))
+        else:
+            loaded = ", ".join(sorted(self.entries)) or "none"
+            names = ", ".join(m.name for m in self.config.models) or "none"
+            why = (
+                "load_on_demand is off"
+                if not mode
+                else 'only configured models load on demand (load_on_demand = "any": any model)'
+            )
+            raise RequestError(
+                "unknown_model",
+                f"no model {ref!r} is loaded (loaded: {loaded}; configured: {names}); {why}",
+            )
+        entry = self.register(spec)
+        log.info("load_on_demand", model=spec.name, source=spec.model)
         return entry
 
     async def wait_loaded(self, entry: ModelEntry) -> Loaded:
@@ -765,6 +842,7 @@ class Registry:
             else config.prefix_cache,
             prefix_cache_bytes=spec.prefix_cache_bytes,
             prefix_cache_entries=config.prefix_cache_entries,
+            stream_interval_s=config.stream_interval_ms / 1000,
         )  # fmt: skip
 
     async def clear_cache(self, name: str) -> CacheCleared:
@@ -801,6 +879,33 @@ class Registry:
         cancel: anyio.Event,
         on_queued: QueueListener | None = None,
     ) -> None:
+        """Run one generation on the named model (see :meth:`_generate`), and
+        count it in ``metrics``: its outcome, tokens and time to first text.
+
+        Raises:
+            RequestError: unknown model, timed out, runner died, or failed.
+        """
+        record = self.metrics.request(request.name if request.name in self.entries else None)
+
+        async def emit_recorded(event: TextChunk | GenerationDone, body: bytes | None) -> None:
+            record.observe(event)
+            await emit(event, body)
+
+        try:
+            await self._generate(request, emit_recorded, cancel, on_queued)
+        except RequestError as exc:
+            record.finish(exc.code)
+            raise
+        finally:
+            record.close()  # no end seen: it was cancelled
+
+    async def _generate(
+        self,
+        request: GenerateRequest,
+        emit: Emit,
+        cancel: anyio.Event,
+        on_queued: QueueListener | None = None,
+    ) -> None:
         """Run one generation on the named model, passing each frame to ``emit``.
 
         Waits its turn behind earlier requests to the same model, and through
@@ -819,6 +924,10 @@ class Registry:
             raise RequestError("bad_request", "give exactly one of prompt and messages")
         if request.sampling.max_tokens < 1:
             raise RequestError("bad_request", "max_tokens must be at least 1")
+        stop = request.sampling.stop
+        if len(stop) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise RequestError("bad_request", f"stop takes up to {MAX_STOP_STRINGS} strings "
+                               f"of 1 to {MAX_STOP_CHARS} characters")  # fmt: skip
         entry = self.get(request.name)
         try:
             await self._generate_with_retry(entry, request, emit, cancel, on_queued)

@@ -1452,7 +1452,7 @@ def run_fuzz(cases: int, seed: int, runner_share: float = 0.1) -> FuzzResult:
 
         def start() -> DaemonProcess:
             index = len(daemons)
-            env = {"XDG_STATE_HOME": str(workdir / "state")}
+            env = {"XDG_STATE_HOME": str(workdir / "state"), "MLX_SUPERVISOR_HTTP": "off"}
             daemon = DaemonProcess(workdir / f"d{index}.sock", config, env=env,
                                    log_file=workdir / f"daemon-{index}.log")  # fmt: skip
             daemons.append(daemon.start())

@@ -326,7 +326,7 @@ class Soak:
     def run(self) -> SoakResult:
         config = self.workdir / "soak.toml"
         config.write_text(CONFIG)
-        env = {"XDG_STATE_HOME": str(self.workdir / "state")}
+        env = {"XDG_STATE_HOME": str(self.workdir / "state"), "MLX_SUPERVISOR_HTTP": "off"}
         # The whole log goes to a file: log_lines keeps only the last lines.
         self.log_path = self.workdir / "daemon.log"
         daemon = DaemonProcess(

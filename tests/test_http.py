@@ -1,0 +1,493 @@
+"""The OpenAI-compatible HTTP front: a real daemon, real runners, the real
+``openai`` client and raw HTTP (httpx). builtin:tiny writes gibberish, so the
+tests check shapes, counts and behaviour, never the words."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, get_args
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import DaemonFactory
+from ipc.messages import ErrorCode
+from supervisor import __version__
+from supervisor.client import Client
+from supervisor.config import HTTP_ENV, ConfigError, load_config, parse_listen, with_http_override
+from supervisor.http_api import ERROR_STATUS
+from supervisor.spawn import DaemonProcess
+
+PROMPT = "Once upon a time"
+CHAT = [{"role": "user", "content": "Tell me a story."}]
+ANY_PORT = {HTTP_ENV: "127.0.0.1:0"}
+
+
+def faults(spec: str) -> dict[str, str]:
+    return {"MLX_SUPERVISOR_FAULTS": spec}
+
+
+def start(start_daemon: DaemonFactory, config: str | None = None) -> tuple[DaemonProcess, str]:
+    """A daemon with its HTTP front on a free port, and the front's base URL."""
+    daemon = start_daemon(config, env=ANY_PORT)
+    url = Client(daemon.socket_path).status().supervisor.http
+    assert url is not None and url.startswith("http://127.0.0.1:")
+    return daemon, url
+
+
+def openai_client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def sse(response: httpx.Response) -> Iterator[str | dict[str, Any]]:
+    """A stream's events: comments as ``": text"``, data as parsed JSON or ``"[DONE]"``."""
+    for line in response.iter_lines():
+        if line.startswith(":"):
+            yield line
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def stream_events(url: str, path: str, body: dict[str, Any]) -> list[str | dict[str, Any]]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return list(sse(response))
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of /metrics, parsed with prometheus_client's parser (0 if absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# --- serving -------------------------------------------------------------------
+
+
+def test_openai_client_lists_models_and_completes_chat_and_text(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon, url = start(start_daemon, '[[models]]\nname = "other"\nmodel = "builtin:tiny"\n')
+    Client(daemon.socket_path).load("builtin:tiny")
+    api = openai_client(url)
+
+    models = {model.id: model for model in api.models.list().data}
+    assert set(models) == {"tiny", "other"}
+    assert models["tiny"].object == "model" and models["tiny"].owned_by == "mlx-supervisor"
+    ours = models["tiny"].model_extra or {}
+    assert (ours["model"], ours["state"], ours["configured"]) == ("builtin:tiny", "ready", False)
+    assert (models["other"].model_extra or {})["state"] == "not_loaded"
+
+    chat = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)  # type: ignore[arg-type]
+    assert chat.object == "chat.completion" and chat.model == "tiny"
+    (choice,) = chat.choices
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens == 8
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 8 > 8
+    # The same prompt again: its prefix comes from the runner's prefix cache.
+    again = api.chat.completions.create(
+        model="builtin:tiny",
+        messages=CHAT,
+        max_completion_tokens=8,  # type: ignore[arg-type]
+    )
+    assert again.choices[0].message.content == choice.message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                          {"type": "text", "text": "a story."}]}]  # fmt: skip
+    same = api.chat.completions.create(model="tiny", messages=parts, max_tokens=8)  # type: ignore[arg-type]
+    assert same.choices[0].message.content == choice.message.content
+
+    text = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    assert text.object == "text_completion" and text.choices[0].finish_reason == "length"
+    assert text.usage is not None and text.usage.completion_tokens == 6
+
+    chunks = list(api.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=8, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        choice.message.content
+    )
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+    streamed = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+    # Raw: the stream ends with [DONE]; without include_usage there is no usage chunk.
+    events = stream_events(url, "/v1/chat/completions",
+                           {"model": "tiny", "messages": CHAT, "max_tokens": 4})  # fmt: skip
+    assert events[-1] == "[DONE]"
+    assert all(isinstance(e, dict) and e["choices"] for e in events[:-1])
+
+
+def test_stop_string_cuts_the_text_with_finish_reason_stop(start_daemon: DaemonFactory) -> None:
+    daemon, url = start(start_daemon)
+    Client(daemon.socket_path).load("builtin:tiny")
+    api = openai_client(url)
+    full = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40).choices[0].text
+    # A stop string from the middle of the text, at its first appearance.
+    middle = len(full) // 2
+    stop = full[middle : middle + 4]
+    cut = full.index(stop)
+    assert stop.strip() and cut > 0, full
+    stopped = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, stop=[stop])
+    assert stopped.choices[0].text == full[:cut]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = list(api.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=40, stop=stop, stream=True
+    ))  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == full[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_http_and_socket_clients_share_one_model_at_once(start_daemon: DaemonFactory) -> None:
+    daemon, url = start(start_daemon)
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny")
+    socket_tokens: list[int] = []
+
+    def over_the_socket() -> None:
+        _, done = client.generate_text("tiny", PROMPT, max_tokens=300)
+        socket_tokens.append(done.generation_tokens)
+
+    thread = threading.Thread(target=over_the_socket)
+    thread.start()
+    events = stream_events(url, "/v1/completions",
+                           {"model": "tiny", "prompt": PROMPT, "max_tokens": 300,
+                            "stream_options": {"include_usage": True}})  # fmt: skip
+    thread.join(60)
+    assert socket_tokens == [300]
+    usage = events[-2]
+    assert isinstance(usage, dict) and usage["usage"]["completion_tokens"] == 300
+    assert metric(url, "mlx_supervisor_requests_total", model="tiny", outcome="ok") == 2
+    assert metric(url, "mlx_supervisor_generated_tokens_total", model="tiny") == 600
+
+
+# --- refusals ------------------------------------------------------------------
+
+
+def test_bad_requests_get_openai_errors_and_the_daemon_serves_on(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon, url = start(start_daemon, "max_frame_bytes = 65536\n")
+    chat = f"{url}/v1/chat/completions"
+    good = {"model": "tiny", "messages": CHAT}
+
+    malformed = httpx.post(chat, content=b'{"model": "tiny", "messages": [', timeout=10)
+    assert "invalid JSON" in error_of(malformed, 400)["message"]
+    wrong_type = error_of(httpx.post(chat, json={**good, "max_tokens": "many"}, timeout=10), 400)
+    assert wrong_type["param"] == "max_tokens" and wrong_type["code"] == "bad_request"
+    missing = error_of(httpx.post(chat, json={"model": "tiny"}, timeout=10), 400)
+    assert missing["param"] == "messages"
+    assert error_of(httpx.post(chat, json={**good, "n": 2}, timeout=10), 400)["param"] == "n"
+    five = error_of(httpx.post(chat, json={**good, "stop": list("abcde")}, timeout=10), 400)
+    assert five["param"] == "stop"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert (
+        "image_url"
+        in error_of(httpx.post(chat, json={**good, "messages": image}, timeout=10), 400)["message"]
+    )
+    huge = httpx.post(chat, content=b" " * 70_000, timeout=10)
+    assert "max_frame_bytes" in error_of(huge, 413)["message"]
+    assert error_of(httpx.get(f"{url}/v1/nothing", timeout=10), 404)["type"] == "not_found_error"
+    error_of(httpx.get(chat, timeout=10), 405)
+
+    # Unknown fields are ignored; an unknown model is a 404 from the openai client too.
+    with pytest.raises(openai.NotFoundError, match="no model 'nope'"):
+        openai_client(url).chat.completions.create(
+            model="nope",
+            messages=CHAT,
+            logprobs=True,
+            user="me",  # type: ignore[arg-type]
+        )
+
+    # A client that vanishes mid-body changes nothing either.
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Length: 1000\r\n\r\n{\"model\"")  # fmt: skip
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert daemon.process is not None and daemon.process.poll() is None
+    assert Client(daemon.socket_path).status().runners == []
+    assert metric(url, "mlx_supervisor_http_requests_total",
+                  route="/v1/chat/completions", status="400") == 6  # fmt: skip
+
+
+def test_api_key_is_required_when_configured_and_signals_still_work(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon, url = start(start_daemon, 'api_key = "sekrit"\n')
+    assert error_of(httpx.get(f"{url}/v1/models", timeout=10), 401)["code"] == "invalid_api_key"
+    wrong = {"Authorization": "Bearer guess"}
+    assert httpx.get(f"{url}/v1/models", headers=wrong, timeout=10).status_code == 401
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json={}, timeout=10).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(url, "guess").models.list()
+    assert openai_client(url, "sekrit").models.list().data == []
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # probes need no key
+
+    # uvicorn took none of the daemon's signals: SIGHUP is ignored, SIGINT stops it.
+    daemon.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    daemon.wait_until(lambda: bool(daemon.events("sighup_ignored")), timeout_s=10)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    daemon.process.send_signal(signal.SIGINT)  # type: ignore[union-attr]
+    assert daemon.wait(30) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=10)
+
+
+def test_a_full_queue_answers_429_with_retry_after(start_daemon: DaemonFactory) -> None:
+    daemon, url = start(start_daemon, "max_queue = 0\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", max_concurrent=1)
+    with client.generate("tiny", PROMPT, max_tokens=100_000) as long_one:
+        next(iter(long_one))
+        response = httpx.post(f"{url}/v1/completions", timeout=10,
+                              json={"model": "tiny", "prompt": PROMPT, "stream": True})  # fmt: skip
+        assert error_of(response, 429)["code"] == "busy"
+        assert response.headers["retry-after"] == "1"
+        with pytest.raises(openai.RateLimitError):
+            openai_client(url).completions.create(model="tiny", prompt=PROMPT)
+        long_one.cancel()
+        list(long_one)
+    assert metric(url, "mlx_supervisor_requests_total", model="tiny", outcome="busy") == 2
+    assert metric(url, "mlx_supervisor_requests_total", model="tiny", outcome="cancelled") == 1
+
+
+# --- faults --------------------------------------------------------------------
+
+
+def test_runner_deaths_end_requests_with_the_signal_then_503_while_restarting(
+    start_daemon: DaemonFactory,
+) -> None:
+    config = (
+        "restart_backoff_s = 60\nrestart_backoff_cap_s = 60\n"
+        '[[models]]\nname = "broken"\nmodel = "builtin:tiny"\npreload = true\n'
+        'env = { MLX_SUPERVISOR_FAULTS = "fail_load=weights unreadable" }\n'
+    )
+    daemon, url = start(start_daemon, config)
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", env=faults("crash_at_token=4:SIGKILL"))
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 50}
+
+    def state(name: str) -> str:
+        return next(r.state for r in client.status().runners if r.name == name)
+
+    # Mid-stream: the stream has begun (200), so the error is its last event.
+    events = stream_events(url, "/v1/completions", body)
+    assert any(isinstance(e, dict) and e.get("choices") for e in events)
+    last = events[-1]
+    assert isinstance(last, dict) and last["error"]["code"] == "runner_died"
+    assert "SIGKILL" in last["error"]["message"] and "[DONE]" not in events
+
+    # Not streaming (the first restart is immediate): a 500 naming the signal.
+    with pytest.raises(openai.InternalServerError, match="SIGKILL"):
+        openai_client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=50)
+
+    # The second restart waits out its backoff: 503 and when to come back.
+    daemon.wait_until(lambda: state("tiny") == "restarting")
+    restarting = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+    assert "tiny is restarting" in error_of(restarting, 503)["message"]
+    assert 1 <= int(restarting.headers["retry-after"]) <= 60
+
+    # A model whose load failed: 503 with the cause, without a wait.
+    daemon.wait_until(lambda: state("broken") == "failed")
+    failed = httpx.post(f"{url}/v1/completions", json={**body, "model": "broken"}, timeout=10)
+    assert "weights unreadable" in error_of(failed, 503)["message"]
+    assert metric(url, "mlx_supervisor_requests_total", model="tiny", outcome="runner_died") == 2
+
+
+def test_client_leaving_mid_stream_cancels_the_generation_in_the_runner(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon, url = start(start_daemon, "shutdown_grace_s = 1.5\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", env=faults("ignore_shutdown"))
+
+    def idle() -> bool:
+        (runner,) = client.status().runners
+        return runner.state == "ready" and runner.active_requests == 0
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 100_000, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held: dropping it would close the connection
+        for _ in range(3):
+            next(lines)
+        assert not idle()
+    left_at = time.monotonic()
+    daemon.wait_until(idle, timeout_s=10)
+    assert time.monotonic() - left_at < 5
+    assert metric(url, "mlx_supervisor_requests_total", model="tiny", outcome="cancelled") == 1
+    # Stopped within a few tokens of the disconnect, not at max_tokens (4096).
+    assert metric(url, "mlx_supervisor_generated_tokens_total", model="tiny") < 100
+
+    # Not streaming: a client that gives up waiting cancels it too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    daemon.wait_until(idle, timeout_s=10)
+    assert metric(url, "mlx_supervisor_requests_total", model="tiny", outcome="cancelled") == 2
+
+    # Shutting down (the runner makes it wait): /health says so with a 503.
+    daemon.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 1.5
+    while httpx.get(f"{url}/health", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "health never said it was shutting down"
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health", timeout=10).text == "shutting down\n"
+    assert daemon.wait(30) == 0
+
+
+# --- load on demand, health, metrics -------------------------------------------------
+
+
+def test_configured_model_loads_on_demand_with_keep_alive_comments(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon, url = start(start_daemon, '[[models]]\nname = "tiny"\nmodel = "builtin:tiny"\n')
+    client = Client(daemon.socket_path)
+    assert (
+        httpx.get(f"{url}/health", timeout=10).text
+        == f"ok: mlx-supervisor {__version__}, 0 models\n"
+    )
+
+    unconfigured = httpx.post(f"{url}/v1/completions", timeout=10,
+                              json={"model": str(tmp_path), "prompt": PROMPT})  # fmt: skip
+    assert 'load_on_demand = "any"' in error_of(unconfigured, 404)["message"]
+    assert client.status().runners == []
+
+    body = {"model": "builtin:tiny", "messages": CHAT, "max_tokens": 5}
+    events = stream_events(url, "/v1/chat/completions", body)
+    first_data = next(i for i, e in enumerate(events) if isinstance(e, dict))
+    assert any(str(e).startswith(": loading tiny") for e in events[:first_data])
+    assert all(isinstance(e, dict) or e == "[DONE]" for e in events[first_data:])
+    assert events[-1] == "[DONE]"
+    (runner,) = client.status().runners
+    assert (runner.name, runner.state) == ("tiny", "ready")
+    assert "1 ready" in httpx.get(f"{url}/health", timeout=10).text
+
+    names = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    states = {s.labels["state"]: s.value for s in names["mlx_supervisor_model_state"].samples}
+    assert states["ready"] == 1 and sum(states.values()) == 1
+    assert next(iter(names["mlx_supervisor_uptime_seconds"].samples)).value > 0
+    ttft = names["mlx_supervisor_time_to_first_token_seconds"].samples
+    assert any(s.name.endswith("_count") and s.value == 1 for s in ttft)
+    assert any(s.value > 0 for s in names["mlx_supervisor_runner_rss_bytes"].samples)
+
+
+# --- the listening address -----------------------------------------------------------
+
+
+def test_port_in_use_is_logged_and_the_socket_serves_on(start_daemon: DaemonFactory) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = start_daemon(env={HTTP_ENV: f"127.0.0.1:{port}"})
+        assert Client(daemon.socket_path).status().supervisor.http is None
+        (failure,) = daemon.events("http_listen_failed")
+        assert failure["port"] == port and "in use" in str(failure["error"])
+
+
+def test_serve_refuses_a_bad_http_address(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--http", "localhost",
+         "--socket", str(tmp_path / "s.sock")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "--http: 'localhost' is not 'off' nor HOST:PORT" in result.stderr
+
+
+def test_listen_addresses_and_http_keys_are_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse_listen("off") is None
+    assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert parse_listen("[::1]:11480") == ("::1", 11480)
+    assert parse_listen("localhost:8081") == ("localhost", 8081)
+    for bad in ("", "11480", "::1:80", "[nope]:1", "host:65536", "host:-1", "host:"):
+        with pytest.raises(ValueError):
+            parse_listen(bad)
+    path = tmp_path / "c.toml"
+    for text, named in (('http_listen = "nowhere"\n', "http_listen"),
+                        ('load_on_demand = "some"\n', "load_on_demand"),
+                        ('api_key = ""\n', "api_key")):  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=named):
+            load_config(path)
+    config = load_config(None)
+    assert config.http_listen == "127.0.0.1:11480" and config.load_on_demand is True
+    monkeypatch.setenv(HTTP_ENV, "127.0.0.1:9")
+    assert with_http_override(config, None).http_listen == "127.0.0.1:9"
+    assert with_http_override(config, "off").http_listen == "off"  # the flag wins
+    monkeypatch.setenv(HTTP_ENV, "bogus")
+    with pytest.raises(ConfigError, match=HTTP_ENV):
+        with_http_override(config, None)
+
+
+def test_every_error_code_has_an_http_status() -> None:
+    assert set(ERROR_STATUS) == set(get_args(ErrorCode))
+
+
+@pytest.mark.timeout(900)  # the first run fetches builtin:smollm2 (93 MB)
+def test_a_real_model_answers_through_the_openai_client(
+    start_daemon: DaemonFactory, smollm2_dir: Path
+) -> None:
+    config = '[[models]]\nname = "smol"\nmodel = "builtin:smollm2"\n'
+    _, url = start(start_daemon, config)  # loaded on demand, by its reference
+    reply = openai_client(url).chat.completions.create(
+        model="builtin:smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+    )
+    choice = reply.choices[0]
+    assert choice.message.content is not None and "Paris" in choice.message.content
+    assert choice.finish_reason == "stop" and reply.model in ("smol", "builtin:smollm2")
+
+
+def test_cors_is_off_unless_origins_are_configured(start_daemon: DaemonFactory) -> None:
+    origin = {"Origin": "http://localhost:3000"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}  # fmt: skip
+    _, closed = start(start_daemon)
+    plain = httpx.get(f"{closed}/v1/models", headers=origin)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+    _, url = start(start_daemon, 'http_cors_origins = ["http://localhost:3000"]\n')
+    allowed = httpx.options(f"{url}/v1/chat/completions", headers=preflight)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    listed = httpx.get(f"{url}/v1/models", headers=origin)
+    assert listed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = httpx.options(f"{url}/v1/chat/completions",
+                          headers={**preflight, "Origin": "http://evil.example"})  # fmt: skip
+    assert other.status_code == 400
