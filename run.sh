@@ -51,8 +51,22 @@ case "$command" in
     exec .venv/bin/mypy
     ;;
   bench)
+    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http] [script args...]
     ensure_venv
-    exec .venv/bin/python bench/bench_daemon.py "$@"
+    which=${1:-all}
+    shift || true
+    if [ "$which" = all ]; then
+      for name in daemon recovery hardening memory engine http; do
+        echo "== bench/bench_$name.py" >&2
+        .venv/bin/python "bench/bench_$name.py" "$@"
+      done
+      exit 0
+    fi
+    if [ ! -f "bench/bench_$which.py" ]; then
+      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http] [args...]" >&2
+      exit 2
+    fi
+    exec .venv/bin/python "bench/bench_$which.py" "$@"
     ;;
   soak)
     ensure_venv

@@ -53,7 +53,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,18 +71,17 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import mlx_device, render_table
+from common import mlx_device, mlx_lm_server, render_table
 from runner.builtin import ensure_builtin_model
 from runner.prefix_index import PrefixIndex
 from supervisor.client import Client
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "engine.json"
 TINY, SMALL = "builtin:tiny", "builtin:small"
 SHORT_NAMES = {TINY: "tiny", SMALL: "small"}
 REQUEST_TIMEOUT_S = 900.0  # one request, either side: a cold prefill on small takes minutes
-SERVER_START_TIMEOUT_S = 300.0
 
 OURS, THEIRS, OURS_NO_CACHE = "ours", "theirs", "ours_no_cache"
 CHAT_SIDES = (OURS, THEIRS, OURS_NO_CACHE)
@@ -317,64 +315,6 @@ def start_daemon(stack: contextlib.ExitStack, tmp: Path, config: str) -> tuple[C
 
     stack.push(show_log_on_error)
     return Client(daemon.socket_path, timeout_s=REQUEST_TIMEOUT_S), daemon
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def mlx_lm_server(model_dir: Path, log_path: Path) -> Iterator[int]:
-    """``python -m mlx_lm.server --model DIR`` on a free loopback port, with its
-    defaults; yields the port once ``/health`` answers; SIGTERM (then SIGKILL) at exit."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "mlx_lm.server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"mlx_lm.server exited with {process.returncode}:\n{tail}")
-            with contextlib.suppress(OSError):
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                try:
-                    connection.request("GET", "/health")
-                    if connection.getresponse().status == 200:
-                        break
-                finally:
-                    connection.close()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlx_lm.server not up after {SERVER_START_TIMEOUT_S} s")
-            time.sleep(0.1)
-        yield port
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def warm_up(client: Client, name: str, port: int) -> None:

@@ -50,7 +50,7 @@ from common import (
     runner_info,
     write_json,
 )
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 DEFAULT_OUT = RESULTS_DIR / "recovery.json"
 STALL_S = 2.0

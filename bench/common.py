@@ -7,15 +7,17 @@ Each ``bench_*.py`` is one family of figures; a helper two of them need lives he
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import math
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -28,7 +30,7 @@ import supervisor
 from ipc.messages import RunnerInfo
 from supervisor.client import Client
 from supervisor.config import SupervisorConfig
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -115,6 +117,7 @@ class Daemon:
         label: str,
         config: str,
         client_timeout_s: float | None = None,
+        http: str = "off",
     ) -> Daemon:
         """Start ``mlx-supervisor serve`` with ``config`` (TOML text) on ``tmp/LABEL.sock``.
 
@@ -124,6 +127,10 @@ class Daemon:
         stays shared. When ``stack`` closes: SIGTERM (graceful), else SIGKILL; if the run
         failed, the daemon's last log lines go to stderr.
 
+        ``http`` is the HTTP front's address (``$MLX_SUPERVISOR_HTTP``): ``"off"`` by
+        default (many daemons at once: no shared port), ``"127.0.0.1:0"`` for a free
+        port, whose base URL ``client.status().supervisor.http`` then gives.
+
         Raises:
             DaemonStartError: the daemon exited or did not start.
         """
@@ -131,7 +138,7 @@ class Daemon:
         config_path.write_text(config, encoding="utf-8")
         home = tmp / label
         home.mkdir(mode=0o700)
-        env = {"MLX_SUPERVISOR_HTTP": "off"}  # many daemons at once: no shared port
+        env = {"MLX_SUPERVISOR_HTTP": http}
         for variable, name in [("XDG_STATE_HOME", "state"), ("XDG_RUNTIME_DIR", "run"),
                                ("XDG_CONFIG_HOME", "config")]:  # fmt: skip
             (home / name).mkdir(mode=0o700)
@@ -185,6 +192,70 @@ def runner_info(client: Client, name: str) -> RunnerInfo:
         StopIteration: no runner serves ``name``.
     """
     return next(r for r in client.status().runners if r.name == name)
+
+
+# --- mlx_lm.server, the reference server ----------------------------------------
+
+SERVER_START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def mlx_lm_server(model_dir: Path, log_path: Path) -> Iterator[int]:
+    """``python -m mlx_lm.server --model DIR`` on a free loopback port, with its
+    defaults; yields the port once ``/health`` answers; SIGTERM (then SIGKILL) at exit."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "mlx_lm.server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"mlx_lm.server exited with {process.returncode}:\n{tail}")
+            with contextlib.suppress(OSError):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                try:
+                    connection.request("GET", "/health")
+                    if connection.getresponse().status == 200:
+                        break
+                finally:
+                    connection.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlx_lm.server not up after {SERVER_START_TIMEOUT_S} s")
+            time.sleep(0.1)
+        yield port
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 # --- the daemon's log ------------------------------------------------------------

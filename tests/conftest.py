@@ -16,7 +16,7 @@ import pytest
 from runner.builtin import builtin_cache_dir, ensure_builtin_model
 from supervisor.client import Client
 from supervisor.config import HTTP_ENV
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 REAP_TIMEOUT_S = 5.0
 # Read at import, before the fixtures point XDG_CACHE_HOME at the session's temporary cache:

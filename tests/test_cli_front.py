@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import DaemonFactory
 from ipc.messages import LoadProgress
 from supervisor.cli import ProgressPrinter
 from supervisor.client import Client
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 READ_TIMEOUT_S = 60.0
 
@@ -74,7 +75,9 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(daemon: DaemonProcess, clie
         read_until(process, b"", seen)  # the answer has begun
         process.send_signal(signal.SIGINT)
         read_until(process, b"[answer stopped]\n", seen)
-        process.stdin.write(b"short now\n")
+        process.stdin.write(b"/reset\n")  # the conversation goes on: the next line is read
+        process.stdin.flush()
+        read_until(process, b"[conversation forgotten]\n", seen)
         process.stdin.close()
         assert process.wait(timeout=60) == 0
     finally:
@@ -163,3 +166,33 @@ def test_demo_falls_back_to_tiny_when_the_package_index_cannot_be_reached(
     assert "falling back to builtin:tiny" in out
     assert "killed by SIGKILL" in out and "child processes left: 0" in out
     assert "done: every step above ran on real processes." in out
+
+
+def test_clients_find_the_socket_the_config_names(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    sock = tmp_path / "from-config.sock"
+    daemon = start_daemon(f'socket_path = "{sock}"\n')  # also given as --socket: the same path
+    assert daemon.socket_path != sock
+    config_dir = Path(os.environ["XDG_CONFIG_HOME"]) / "mlx-supervisor"
+    config_dir.mkdir(parents=True)
+    (config_dir / "config.toml").write_text(f'socket_path = "{daemon.socket_path}"\n')
+
+    def status(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor", "status", *args],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    found = status()  # no --socket, no variable: the default config's socket_path
+    assert found.returncode == 0, found.stderr
+    assert f"socket {daemon.socket_path}" in found.stdout
+    other = tmp_path / "other.toml"
+    other.write_text(f'socket_path = "{tmp_path / "nobody.sock"}"\n')
+    assert status("--config", str(other)).returncode == 3  # --config names another daemon
+    overridden = status("--config", str(other), MLX_SUPERVISOR_SOCKET=str(daemon.socket_path))
+    assert overridden.returncode == 0, overridden.stderr  # the variable before the config
+    broken = tmp_path / "broken.toml"
+    broken.write_text("socket_path = [\n")
+    failed = status("--config", str(broken))
+    assert failed.returncode == 2 and "invalid config" in failed.stderr

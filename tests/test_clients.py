@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from supervisor.client import AsyncClient, Client, ClientError
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 
 def test_async_client_loads_generates_and_unloads(daemon: DaemonProcess) -> None:
@@ -55,7 +55,7 @@ def test_supervisor_side_never_imports_mlx() -> None:
     code = (
         "import sys\n"
         "import supervisor.cli, supervisor.daemon, supervisor.registry, supervisor.control\n"
-        "import supervisor.client, supervisor.demo, supervisor.spawn, supervisor.service\n"
+        "import supervisor.client, supervisor.demo, supervisor.daemon_process, supervisor.service\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'runner'))\n"
         "assert not bad, bad\n"
     )

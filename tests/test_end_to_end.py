@@ -20,7 +20,7 @@ from ipc import Codec
 from ipc.messages import PROTOCOL_VERSION, GenerationDone, Hello, ServerMessage, StatusRequest
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 PROMPT = "The quick brown fox"
 

@@ -38,7 +38,7 @@ from ipc.messages import (
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
 from supervisor.control import ClientGone
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 PROMPT = "The quick brown fox"
 CODEC: Codec[ServerMessage] = Codec(ServerMessage)

@@ -25,8 +25,8 @@ from ipc.messages import ErrorCode
 from supervisor import __version__
 from supervisor.client import Client
 from supervisor.config import HTTP_ENV, ConfigError, load_config, parse_listen, with_http_override
+from supervisor.daemon_process import DaemonProcess
 from supervisor.http_api import ERROR_STATUS
-from supervisor.spawn import DaemonProcess
 
 PROMPT = "Once upon a time"
 CHAT = [{"role": "user", "content": "Tell me a story."}]

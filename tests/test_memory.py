@@ -15,8 +15,8 @@ import pytest
 from conftest import DaemonFactory
 from ipc.messages import FAULTS_ENV, RunnerInfo
 from supervisor.client import Client, ClientError
+from supervisor.daemon_process import DaemonProcess
 from supervisor.memory.estimate import Estimate, estimate_reference
-from supervisor.spawn import DaemonProcess
 
 MiB = 1 << 20
 PROMPT = "The quick brown fox"

@@ -18,7 +18,7 @@ import pytest
 from conftest import DaemonFactory, assert_reaped
 from ipc.messages import RunnerInfo
 from supervisor.client import Client, ClientError
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 from supervisor.state import DaemonState, RunnerRecord, StateFile, state_path
 
 PROMPT = "Once upon a time"

@@ -29,7 +29,7 @@ from ipc.messages import (
     StatusRequest,
 )
 from supervisor.client import Client, ClientError
-from supervisor.spawn import DaemonProcess, DaemonStartError
+from supervisor.daemon_process import DaemonProcess, DaemonStartError
 from supervisor.state import state_path
 
 CODEC: Codec[ServerMessage] = Codec(ServerMessage)

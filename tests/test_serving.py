@@ -14,7 +14,7 @@ import pytest
 from conftest import DaemonFactory
 from ipc.messages import GenerationDone
 from supervisor.client import Client, ClientError
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 from test_recovery import FAST, faults, runner
 
 PROMPTS = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from ipc.messages import ChatMessage, LoadProgress, RunnerInfo, StatusReply
 from supervisor import __version__
 from supervisor.client import Client, ClientError, DaemonUnreachable
+from supervisor.config import ConfigError, load_config
 from supervisor.paths import SOCKET_ENV, default_config_path, default_socket_path
 from supervisor.units import format_bytes, format_duration, parse_duration
 
@@ -163,30 +165,50 @@ def _progress_line(p: LoadProgress) -> str:
     return f"loading {p.name}: {p.phase}"
 
 
+def config_file(given: Path | None) -> Path | None:
+    """The config file to read: ``--config``, else the default one if it exists."""
+    if given is not None:
+        return given
+    default = default_config_path()
+    return default if default.exists() else None
+
+
+def socket_path(given: Path | None, configured: str | None) -> Path:
+    """Where the daemon's socket is, the same for ``serve`` and its clients:
+    ``--socket`` (``given``), else ``$MLX_SUPERVISOR_SOCKET``, else the
+    config's ``socket_path`` (``configured``), else the per-user runtime dir."""
+    if given is not None:
+        return given
+    if configured and not os.environ.get(SOCKET_ENV):
+        return Path(configured).expanduser()
+    return default_socket_path()
+
+
+def client_for(args: argparse.Namespace) -> Client:
+    """A client of the daemon that ``serve`` with the same options and config
+    would run. Raises ConfigError: the config file cannot be read."""
+    path = config_file(args.config)
+    configured = load_config(path).socket_path if path is not None else None
+    return Client(socket_path(args.socket, configured))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from supervisor.config import ConfigError, load_config, with_http_override
+    from supervisor.config import with_http_override
     from supervisor.control import DaemonAlreadyRunning
     from supervisor.daemon import run_daemon
     from supervisor.logs import configure_logging
+    from supervisor.memory.monitor import override_mb
     from supervisor.security import InsecurePath
 
-    config_path: Path | None = args.config
-    if config_path is None and default_config_path().exists():
-        config_path = default_config_path()
-    from supervisor.memory.monitor import override_mb
-
     try:
-        config = with_http_override(load_config(config_path), args.http)
+        config = with_http_override(load_config(config_file(args.config)), args.http)
         override_mb(config.memory_override_mb)  # a bad OVERRIDE_MEMORY_MB stops us here
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    socket_path = args.socket or (
-        Path(config.socket_path) if config.socket_path else default_socket_path()
-    )
     configure_logging()
     try:
-        run_daemon(config, socket_path)
+        run_daemon(config, socket_path(args.socket, config.socket_path))
     except (DaemonAlreadyRunning, FileExistsError, InsecurePath) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -334,11 +356,16 @@ def cmd_shutdown(args: argparse.Namespace, client: Client) -> int:
 def cmd_service(args: argparse.Namespace) -> int:
     from supervisor.service import install_hint, render_service, service_install_path
 
-    socket_path = args.socket or default_socket_path()
-    command = [sys.executable, "-m", "supervisor", "serve"]
     config = args.config.resolve() if args.config else None
+    try:
+        configured = load_config(config).socket_path if config is not None else None
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    sock = socket_path(args.socket, configured)
+    command = [sys.executable, "-m", "supervisor", "serve"]
     sys.stdout.write(
-        render_service(args.kind, command=command, socket_path=socket_path, config_path=config)
+        render_service(args.kind, command=command, socket_path=sock, config_path=config)
     )
     print(
         f"\n# save as {service_install_path(args.kind)}, then:\n"
@@ -400,12 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--socket",
         type=Path,
         default=None,
-        help=f"daemon socket (default: ${SOCKET_ENV} or the per-user runtime dir)",
+        help=f"daemon socket (default: ${SOCKET_ENV}, else the config's socket_path, else "
+        "the per-user runtime dir)",
+    )
+    socket_parent.add_argument(
+        "--config", type=Path, help="TOML config (default: config.toml in the XDG config dir)"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", parents=[socket_parent], help="run the daemon in the foreground")
-    p.add_argument("--config", type=Path, help="TOML config (default: XDG config dir)")
     p.add_argument("--http", metavar="HOST:PORT|off",
                    help="OpenAI-compatible HTTP front (default: $MLX_SUPERVISOR_HTTP, else the "
                    "config's http_listen, 127.0.0.1:11480); port 0 picks a free one")  # fmt: skip
@@ -481,7 +511,6 @@ def build_parser() -> argparse.ArgumentParser:
     service_sub = p.add_subparsers(dest="service_command", required=True)
     sp = service_sub.add_parser("print", parents=[socket_parent])
     sp.add_argument("kind", choices=["launchd", "systemd"])
-    sp.add_argument("--config", type=Path)
 
     p = sub.add_parser("demo", help="a guided tour on a real small model with a private daemon")
     p.add_argument("--model", default="builtin:smollm2",
@@ -512,7 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_demo(args)
     if args.command == "estimate":
         return cmd_estimate(args)
-    client = Client(args.socket)
+    try:
+        client = client_for(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return CLIENT_COMMANDS[args.command](args, client)
     except DaemonUnreachable as exc:

@@ -26,7 +26,7 @@ from ipc.messages import Loaded, LoadProgress
 from supervisor.cli import ProgressPrinter, status_table
 from supervisor.client import Client, ClientError
 from supervisor.config import HTTP_ENV
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 from supervisor.units import format_bytes
 
 

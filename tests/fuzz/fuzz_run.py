@@ -75,9 +75,9 @@ from ipc.messages import (
 )
 from runner.main import EXIT_LOAD_FAILED, EXIT_ORPHANED, EXIT_PROTOCOL
 from supervisor.client import Client, ClientError
+from supervisor.daemon_process import DaemonProcess
 from supervisor.registry import derive_name
 from supervisor.security import env_problem, model_name_problem
-from supervisor.spawn import DaemonProcess
 
 FRAME_LIMIT = 65536  # the fuzzed daemon's max_frame_bytes: big strings stay cheap
 MODEL = "tiny"  # the model the daemon serves throughout

@@ -37,7 +37,7 @@ from typing import Any
 import psutil
 
 from supervisor.client import Client, ClientError
-from supervisor.spawn import DaemonProcess
+from supervisor.daemon_process import DaemonProcess
 
 MODELS = ["m0", "m1", "m2"]
 HANGY = "hangy"
