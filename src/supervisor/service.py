@@ -13,20 +13,22 @@ placeholders that :func:`render_service` fills in:
 ``@LOG_DIR@``
     the directory for the stdout/stderr log files.
 
-Values are escaped for the target format: XML-escaped for the plist, quoted
-and escaped per systemd.syntax(7) for the unit (``%`` specifiers and ``$``
-variable expansion included).
+The plist is read and written with :mod:`plistlib` (the template's comments
+are for readers of the file in ``configs/``; the rendered plist is plistlib's);
+the unit's values are quoted and escaped per systemd.syntax(7) (``%``
+specifiers and ``$`` variable expansion included).
 """
 
 from __future__ import annotations
 
 import os
+import plistlib
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from importlib.resources import files
 from pathlib import Path
-from xml.sax.saxutils import escape as _xml_escape
+from typing import Any
 
 __all__ = [
     "LAUNCHD_LABEL",
@@ -54,12 +56,6 @@ TEMPLATE_NAMES: Mapping[str, str] = {
 
 _TEMPLATE_DIR = "service_templates"
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
-# A placeholder alone in a plist <string> element expands to zero or more elements.
-_PLIST_TOKEN = re.compile(
-    r"^(?P<indent>[ \t]*)<string>@(?P<list>COMMAND|CONFIG_ARGS)@</string>\n"
-    r"|@(?P<name>[A-Z_]+)@",
-    re.MULTILINE,
-)
 # Words systemd takes literally without quoting (no quotes, specifiers, `$`, spaces).
 _SYSTEMD_BARE_WORD = re.compile(r"[A-Za-z0-9_+=:,./@-]+")
 # Characters that, leading ExecStart's first word, systemd reads as prefixes.
@@ -142,20 +138,27 @@ def _render_plist(
     lists = {"COMMAND": argv, "CONFIG_ARGS": config_args}
     scalars = {"SOCKET": socket, "LOG_DIR": log_dir}
 
-    def substitute(match: re.Match[str]) -> str:
-        list_name = match.group("list")
-        if list_name is not None:
-            indent = match.group("indent")
-            return "".join(
-                f"{indent}<string>{_xml_escape(arg)}</string>\n" for arg in lists[list_name]
-            )
-        name = match.group("name")
-        if name not in scalars:
-            raise ValueError(f"launchd template: unexpected placeholder @{name}@")
-        return _xml_escape(scalars[name])
+    def fill(value: Any) -> Any:
+        """The template value with its placeholders filled in; a list item that
+        is only ``@COMMAND@`` or ``@CONFIG_ARGS@`` becomes zero or more items."""
+        if isinstance(value, dict):
+            return {key: fill(item) for key, item in value.items()}
+        if isinstance(value, list):
+            out: list[Any] = []
+            for item in value:
+                whole = _PLACEHOLDER.fullmatch(item) if isinstance(item, str) else None
+                if whole is not None and whole.group(1) in lists:
+                    out.extend(lists[whole.group(1)])
+                else:
+                    out.append(fill(item))
+            return out
+        if isinstance(value, str):
+            # One pass, so a value that happens to contain "@NAME@" is never re-expanded.
+            return _PLACEHOLDER.sub(_lookup(scalars, "the launchd plist"), value)
+        return value
 
-    # One pass, so a value that happens to contain "@NAME@" is never re-expanded.
-    return _PLIST_TOKEN.sub(substitute, template)
+    rendered = fill(plistlib.loads(template.encode("utf-8")))
+    return plistlib.dumps(rendered, sort_keys=False).decode("utf-8")
 
 
 # --- systemd -----------------------------------------------------------------
@@ -224,18 +227,18 @@ def _render_systemd(
             values = {"LOG_DIR": _systemd_specifiers(log_dir)}
         else:
             raise ValueError(f"systemd template: unexpected placeholder in {key}=")
-        rendered = _PLACEHOLDER.sub(_lookup(values, key), line)
+        rendered = _PLACEHOLDER.sub(_lookup(values, f"the systemd unit's {key}="), line)
         if key == "ExecStart":  # an empty @CONFIG_ARGS@ leaves trailing spaces
             rendered = rendered.rstrip() + ("\n" if line.endswith("\n") else "")
         out.append(rendered)
     return "".join(out)
 
 
-def _lookup(values: Mapping[str, str], key: str) -> Callable[[re.Match[str]], str]:
+def _lookup(values: Mapping[str, str], where: str) -> Callable[[re.Match[str]], str]:
     def substitute(match: re.Match[str]) -> str:
         name = match.group(1)
         if name not in values:
-            raise ValueError(f"systemd template: unexpected placeholder @{name}@ in {key}=")
+            raise ValueError(f"unexpected placeholder @{name}@ in {where}")
         return values[name]
 
     return substitute
