@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ConfigError, SupervisorConfig, load_config
+from supervisor.config import (
+    HTTP_ENV,
+    ConfigError,
+    SupervisorConfig,
+    load_config,
+    with_http_override,
+)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -137,3 +143,32 @@ def test_bad_model_tables_are_errors(tmp_path: Path, model: str, expected: str) 
     path.write_text(f"[[models]]\n{model}\n")
     with pytest.raises(ConfigError, match=expected):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("listen", "key", "refused"),
+    [("0.0.0.0:11480", None, True), ("192.168.1.5:80", None, True), ("myhost:80", None, True),
+     ("0.0.0.0:11480", 'api_key = "s3cret"\n', False), ("127.0.0.1:0", None, False),
+     ("localhost:11480", None, False), ("[::1]:11480", None, False), ("off", None, False)],
+)  # fmt: skip
+def test_load_on_demand_any_beyond_loopback_needs_an_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listen: str, key: str | None, refused: bool
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f'load_on_demand = "any"\nhttp_listen = "{listen}"\n{key or ""}')
+    if refused:
+        with pytest.raises(ConfigError, match="set api_key, or listen on loopback only"):
+            load_config(path)
+    else:
+        load_config(path)
+    loopback = tmp_path / "loopback.toml"
+    loopback.write_text(f'load_on_demand = "any"\n{key or ""}')
+    config = load_config(loopback)
+    monkeypatch.setenv(HTTP_ENV, listen)  # the same, from $MLX_SUPERVISOR_HTTP or serve --http
+    if refused:
+        with pytest.raises(ConfigError, match=HTTP_ENV):
+            with_http_override(config, None)
+        with pytest.raises(ConfigError, match="--http"):
+            with_http_override(config, listen)
+    else:
+        assert with_http_override(config, listen).http_listen == listen

@@ -24,7 +24,7 @@ from ipc.messages import (
     SamplingParams,
     TextChunk,
 )
-from runner.engine import Engine, build_prompt_tokens
+from runner.engine import Engine, _partial_stop, build_prompt_tokens
 from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.loading import LoadedModel, load_model
@@ -277,11 +277,36 @@ def test_text_held_back_for_a_stop_string_that_never_comes_is_sent_at_the_end(
     assert h.done(request_id).finish_reason == "length"
 
 
-def test_an_empty_stop_string_fails_the_request(tiny: LoadedModel) -> None:
+def test_an_empty_stop_string_fails_the_request_as_invalid(tiny: LoadedModel) -> None:
     h = Harness(tiny)
     request_id = h.submit(PROMPTS[0], 5, sampling={"stop": ("",)})
     (failed,) = [f for f in h.frames if isinstance(f, GenerationFailed)]
     assert failed.request_id == request_id and "stop string" in failed.error
+    assert failed.invalid_request  # the supervisor answers bad_request (HTTP 400), not 500
+
+
+def test_the_first_visible_text_goes_out_at_once_even_after_held_text(tiny: LoadedModel) -> None:
+    every = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=0.0))
+    every.submit(PROMPTS[3], 30)
+    every.run()
+    first = next(f.text for f in every.frames if isinstance(f, TextChunk) and f.text)
+    # The first token's text is all the start of a stop string: held back, sent with the next.
+    held = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=3600.0))
+    request_id = held.submit(PROMPTS[3], 30, sampling={"stop": (first + "\x00",)})
+    held.run()
+    shown = [f for f in held.frames if isinstance(f, TextChunk) and f.text]
+    assert shown[0].generation_tokens < 30  # not held for the interval: out when it was known
+    assert held.text(request_id) == every.text(1)
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "held"),
+    [("abc", "cde", 1), ("abcd", "cde", 2), ("abcd", "xyz", 0), ("aaa", "aab", 2),
+     ("xaba", "abab", 3), ("", "ab", 0), ("ab", "ab", 0)],
+)  # fmt: skip
+def test_partial_stop_is_the_longest_end_that_begins_the_stop(text: str, stop: str,
+                                                               held: int) -> None:  # fmt: skip
+    assert _partial_stop(text, stop) == held
 
 
 def test_a_request_cancelled_in_a_batch_ends_alone(tiny: LoadedModel) -> None:

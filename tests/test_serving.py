@@ -9,11 +9,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from conftest import DaemonFactory
 from ipc.messages import GenerationDone
+from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
+from supervisor.config import HTTP_ENV
 from supervisor.daemon_process import DaemonProcess
 from test_recovery import FAST, faults, runner
 
@@ -189,3 +192,24 @@ def test_a_client_that_vanishes_mid_batch_cancels_only_its_request(
     daemon.wait_until(lambda: len(daemon.events("generation_done")) == 3, timeout_s=30)
     events: list[dict[str, Any]] = daemon.events("generation_done")  # type: ignore[assignment]
     assert sorted(e["finish_reason"] for e in events) == ["cancelled", "length", "length"]
+
+
+def test_an_on_demand_load_that_failed_with_no_one_left_waiting_is_tried_again(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    ensure_builtin_model("builtin:tiny")  # made already: only the fault can stall the load
+    hung = f"hang_at_load=c,once={tmp_path / 'hung-once'}"  # the first load hangs, no later one
+    config = ("load_stall_s = 5.0\nstall_kill_grace_s = 0.3\n"  # a fresh load: under 5 s
+              f'[[models]]\nname = "m"\nmodel = "builtin:tiny"\n'
+              f'env = {{ MLX_SUPERVISOR_FAULTS = "{hung}" }}\n')  # fmt: skip
+    daemon = start_daemon(config, env={HTTP_ENV: "127.0.0.1:0"})
+    client = Client(daemon.socket_path)
+    url = client.status().supervisor.http
+    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2}
+    with pytest.raises(httpx.TimeoutException):  # the client leaves while the load hangs
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    daemon.wait_until(lambda: any(r.state in ("crashed", "failed") for r in client.status().runners)
+                      or bool(daemon.events("load_on_demand_retried")), timeout_s=30)  # fmt: skip
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2

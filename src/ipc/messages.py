@@ -497,8 +497,13 @@ class LoadFailed(msgspec.Struct, tag="load_failed"):
 
 
 class GenerationFailed(msgspec.Struct, tag="generation_failed"):
+    """A request ended in error. ``invalid_request``: the request itself could
+    not run (its chat template raised, an empty prompt, a bad setting), as
+    opposed to a failure while it ran."""
+
     request_id: int
     error: str
+    invalid_request: bool = False
 
 
 class Pong(msgspec.Struct, tag="pong"):

@@ -211,9 +211,10 @@ class Engine:
         received = time.perf_counter()
         try:
             job = self._make_job(request, received)
-        except Exception as exc:
+        except Exception as exc:  # the request cannot run (template, prompt, settings)
             log.error("generation_failed", request_id=request.request_id, error=repr(exc))
-            self.send(GenerationFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
+            error = f"{type(exc).__name__}: {exc}"
+            self.send(GenerationFailed(request.request_id, error, invalid_request=True))
             self.on_finished(request.request_id, None)
             return
         self.pending.append(job)
@@ -590,7 +591,8 @@ class Engine:
         elif finish is not None:
             job.ready = len(job.text)  # no stop string came: what was held back is text
         now = time.perf_counter()
-        if count == 1 or finish is not None or now - job.sent_at >= self.stream_interval_s:
+        first_text = job.sent == 0 and job.ready > 0
+        if first_text or finish is not None or now - job.sent_at >= self.stream_interval_s:
             self._flush(job, now)
         return finish
 
@@ -699,10 +701,15 @@ class Engine:
 
 
 def _partial_stop(text: str, stop: str) -> int:
-    """The length of the longest end of ``text`` that begins ``stop`` (short of all of it)."""
-    for size in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:size]):
-            return size
+    """The length of the longest end of ``text`` that begins ``stop`` (short of
+    all of it). Only the places in the last ``len(stop) - 1`` characters where
+    ``stop``'s first character stands are tried: a few per token, not one per
+    length of ``stop``."""
+    at = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while at != -1:
+        if stop.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(stop[0], at + 1)
     return 0
 
 

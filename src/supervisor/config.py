@@ -68,6 +68,32 @@ def parse_listen(value: str) -> tuple[str, int] | None:
     return host, int(port_text)
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``localhost`` counts; other
+    names do not: what they resolve to can change)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(config: SupervisorConfig) -> str | None:
+    """Why ``config`` would let anyone who reaches the HTTP front load any
+    model on the machine, or None: ``load_on_demand = "any"`` needs an
+    ``api_key`` unless the front listens on loopback only."""
+    listen = parse_listen(config.http_listen)
+    if config.load_on_demand != "any" or config.api_key is not None or listen is None:
+        return None
+    if is_loopback_host(listen[0]):
+        return None
+    return (
+        f'load_on_demand = "any" lets anyone who reaches {config.http_listen} load any '
+        "model path on this machine: set api_key, or listen on loopback only"
+    )
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Settings for one model, applied whenever a model of this name loads."""
 
@@ -158,7 +184,8 @@ def with_http_override(config: SupervisorConfig, flag: str | None) -> Supervisor
     $MLX_SUPERVISOR_HTTP, when either is given.
 
     Raises:
-        ConfigError: the value is not ``off`` nor ``HOST:PORT``.
+        ConfigError: the value is not ``off`` nor ``HOST:PORT``, or it opens
+            ``load_on_demand = "any"`` beyond loopback without an api_key.
     """
     source, value = ("--http", flag) if flag is not None else (HTTP_ENV, os.environ.get(HTTP_ENV))
     if not value:
@@ -167,7 +194,11 @@ def with_http_override(config: SupervisorConfig, flag: str | None) -> Supervisor
         parse_listen(value)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    return msgspec.structs.replace(config, http_listen=value)
+    replaced = msgspec.structs.replace(config, http_listen=value)
+    problem = exposure_problem(replaced)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    return replaced
 
 
 def load_config(path: Path | None) -> SupervisorConfig:
@@ -198,4 +229,7 @@ def load_config(path: Path | None) -> SupervisorConfig:
         parse_listen(config.http_listen)
     except ValueError as exc:
         raise ConfigError(f"invalid config {path}: http_listen: {exc}") from None
+    problem = exposure_problem(config)
+    if problem:
+        raise ConfigError(f"invalid config {path}: {problem}")
     return config

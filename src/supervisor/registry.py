@@ -544,6 +544,12 @@ class Registry:
                 insufficient_memory, shutting_down, bad_request, ...).
         """
         entry = self.find(ref)
+        if entry is not None and self._first_load_failed_unheard(entry):
+            # Everyone who waited for it left before it failed (a client's
+            # timeout during a long load): forget it, and load afresh.
+            entry.log.info("load_on_demand_retried", failure=entry.load_error or entry.failure)
+            await self.unload(entry.name, reason="replaced by a load on demand")
+            entry = None
         if entry is None:
             entry = self._load_on_demand(ref)
         if not entry.loaded.is_set():
@@ -555,6 +561,16 @@ class Registry:
                 if on_progress in entry.progress_listeners:
                     entry.progress_listeners.remove(on_progress)
         return entry
+
+    def _first_load_failed_unheard(self, entry: ModelEntry) -> bool:
+        """Whether ``entry``'s first load failed and no one was left to hear it
+        (the one who would have forgotten it, :meth:`wait_loaded`, had gone)."""
+        return (
+            entry.loaded.is_set()
+            and entry.load_result is None
+            and not entry.keep_if_first_load_fails
+            and self.entries.get(entry.name) is entry
+        )
 
     def _load_on_demand(self, ref: str) -> ModelEntry:
         """Register the model ``ref`` names, if load_on_demand allows it.
@@ -1113,7 +1129,8 @@ class Registry:
                 event, body = held if held is not None else await stream.next()
                 held = None
                 if isinstance(event, GenerationFailed):
-                    raise RequestError("generation_failed", event.error)
+                    bad = event.invalid_request  # the request could not run: the caller's fault
+                    raise RequestError("bad_request" if bad else "generation_failed", event.error)
                 streamed[0] = True
                 relayed: bytes | None = body
                 if isinstance(event, TextChunk):
