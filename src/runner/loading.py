@@ -39,6 +39,18 @@ class LoadedModel:
     load_s: float
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does, whatever its name."""
+    try:
+        with path.open("rb") as file:
+            return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def resolve_model_path(model: str, progress: ProgressCallback | None = None) -> Path:
     """Turn a model reference into a local directory.
 
@@ -52,7 +64,8 @@ def resolve_model_path(model: str, progress: ProgressCallback | None = None) -> 
 
     Raises:
         FileNotFoundError: a path-looking reference, or a ``.gguf`` path, that
-            does not exist; a file that is not a ``.gguf`` file.
+            does not exist; a file that is not a GGUF file (by its first bytes:
+            Ollama's blobs have no ``.gguf`` in their names).
         ValueError: an unknown builtin name; a GGUF file that cannot be
             converted (the message names its architecture or tokenizer).
         FetchError: ``builtin:smollm2`` could not be fetched.
@@ -66,7 +79,9 @@ def resolve_model_path(model: str, progress: ProgressCallback | None = None) -> 
         return ensure_gguf_model_dir(path, progress=progress)
     if path.exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"{model} is a file; a model is a directory")
+            if is_gguf_file(path):  # Ollama keeps GGUF files as blobs named sha256-...
+                return ensure_gguf_model_dir(path, progress=progress)
+            raise FileNotFoundError(f"{model} is a file, not a GGUF file; a model is a directory")
         return path
     if model.startswith(("/", ".", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"no model directory at {model}")

@@ -230,14 +230,14 @@ class Client:
 
 
 def local_model_reference(model: str) -> str:
-    """``model`` as the daemon should see it: a local directory or ``.gguf``
-    file that exists here (relative to *our* working directory) becomes an
-    absolute path; repo ids and ``builtin:`` names pass unchanged."""
+    """``model`` as the daemon should see it: a local directory or file (a
+    GGUF file) that exists here (relative to *our* working directory) becomes
+    an absolute path; repo ids and ``builtin:`` names pass unchanged."""
     if model.startswith("builtin:"):
         return model
     try:
         path = Path(model).expanduser()
-        local = path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file())
+        local = path.is_dir() or path.is_file()  # a .gguf file, or an Ollama blob
         return str(path.resolve()) if local else model
     except (OSError, RuntimeError, ValueError):  # not a usable path here: the daemon decides
         return model
