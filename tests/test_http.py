@@ -13,20 +13,32 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, get_args
+from types import SimpleNamespace
+from typing import Any, cast, get_args
 
+import anyio
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from conftest import DaemonFactory
-from ipc.messages import ErrorCode
+from ipc.messages import ErrorCode, GenerateRequest, LoadProgress, TextChunk
 from supervisor import __version__
 from supervisor.client import Client
-from supervisor.config import HTTP_ENV, ConfigError, load_config, parse_listen, with_http_override
+from supervisor.config import (
+    HTTP_ENV,
+    ConfigError,
+    SupervisorConfig,
+    load_config,
+    parse_listen,
+    with_http_override,
+)
 from supervisor.daemon_process import DaemonProcess
-from supervisor.http_api import ERROR_STATUS
+from supervisor.http_api import ERROR_STATUS, HttpFront, bind_tcp
+from supervisor.metrics import Metrics
+from supervisor.registry import Registry
 
 PROMPT = "Once upon a time"
 CHAT = [{"role": "user", "content": "Tell me a story."}]
@@ -367,6 +379,60 @@ def test_client_leaving_mid_stream_cancels_the_generation_in_the_runner(
     assert daemon.wait(30) == 0
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_client_gone_during_background_writes_ends_quietly() -> None:
+    """A send that fails as it does once the client left (here anyio's
+    BrokenResourceError, as from a memory-stream middleware) while a
+    keep-alive comment is written: the request ends as one whose client is
+    gone, with no http_request_failed and nothing raised."""
+    attempted = anyio.Event()
+    sent: list[dict[str, Any]] = []
+
+    entry = SimpleNamespace(name="tiny", state="ready", spec=SimpleNamespace(max_tokens=None))
+
+    class FakeRegistry:
+        closing = False
+        metrics = Metrics()
+
+        async def ensure_loaded(self, ref: str, on_progress: Any) -> Any:
+            on_progress(LoadProgress(name="tiny", phase="weights", done=1, total=2,
+                                     active_bytes=0))  # fmt: skip
+            await attempted.wait()  # the comment was tried, and failed
+            return entry
+
+        async def generate(self, request: GenerateRequest, emit: Any, cancel: anyio.Event,
+                           on_queued: Any = None) -> None:  # fmt: skip
+            await emit(TextChunk(request_id=1, text="hi", generation_tokens=1), None)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        attempted.set()
+        raise anyio.BrokenResourceError
+
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await anyio.Event().wait()  # the client neither sends nor leaves
+        raise AssertionError
+
+    front = HttpFront(cast(Registry, FakeRegistry()), SupervisorConfig(),
+                      status=lambda: None)  # type: ignore[arg-type,return-value]  # fmt: skip
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")], "query_string": b""}  # fmt: skip
+    with capture_logs() as logs, anyio.fail_after(10):
+        await front.serve_completion(scope, receive, send, chat=False)  # type: ignore[arg-type]
+    assert not [r for r in logs if r["event"] == "http_request_failed"], logs
+    assert len(sent) == 1  # the comment's head, then nothing: the client was gone
+
+
 # --- load on demand, health, metrics -------------------------------------------------
 
 
@@ -404,6 +470,35 @@ def test_configured_model_loads_on_demand_with_keep_alive_comments(
     assert any(s.value > 0 for s in names["mlx_supervisor_runner_rss_bytes"].samples)
 
 
+def test_a_request_for_a_stopping_model_waits_and_loads_it_again(
+    start_daemon: DaemonFactory,
+) -> None:
+    # The runner ignores its Shutdown message: an unload takes shutdown_grace_s.
+    config = ('shutdown_grace_s = 1.5\n[[models]]\nname = "tiny"\nmodel = "builtin:tiny"\n'
+              'env = { MLX_SUPERVISOR_FAULTS = "ignore_shutdown" }\n')  # fmt: skip
+    daemon, url = start(start_daemon, config)
+    client = Client(daemon.socket_path)
+    api = openai_client(url)
+    api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)  # loaded on demand
+    (first,) = client.status().runners
+
+    unloaded: list[object] = []
+    unloading = threading.Thread(
+        target=lambda: unloaded.append(Client(daemon.socket_path).unload("tiny"))
+    )
+    unloading.start()
+    try:
+        daemon.wait_until(lambda: [r.state for r in client.status().runners] == ["stopping"])
+        # Not a 503: it waits for the stop to end, then loads the model again.
+        reply = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+    finally:
+        unloading.join(30)
+    assert len(unloaded) == 1
+    (again,) = client.status().runners
+    assert again.state == "ready" and again.pid != first.pid
+
+
 # --- the listening address -----------------------------------------------------------
 
 
@@ -416,6 +511,80 @@ def test_port_in_use_is_logged_and_the_socket_serves_on(start_daemon: DaemonFact
         assert Client(daemon.socket_path).status().supervisor.http is None
         (failure,) = daemon.events("http_listen_failed")
         assert failure["port"] == port and "in use" in str(failure["error"])
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One HTTP response with a Content-Length, read off a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))  # fmt: skip
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, "closed mid-body"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def assert_closed_by_server(sock: socket.socket) -> None:
+    """The server closed ``sock``: a read sees EOF (within the socket's timeout)."""
+    assert sock.recv(4096) == b""
+
+
+def test_idle_connections_are_closed_and_cannot_shut_out_others(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon, url = start(start_daemon, "max_connections = 4\nclient_idle_timeout_s = 1\n")
+    address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    opened = time.monotonic()
+    # More connections than max_connections that never send a whole request head.
+    idle = [socket.create_connection(address, timeout=10) for _ in range(6)]
+    try:
+        idle[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # half a head
+        deadline = time.monotonic() + 15
+        while True:  # 503 while the idle ones fill max_connections, until they are closed
+            answer = httpx.get(f"{url}/health", timeout=10)
+            if answer.status_code == 200:
+                break
+            assert answer.status_code == 503, answer.text
+            assert time.monotonic() < deadline, "idle connections shut the front out"
+            time.sleep(0.05)
+        for sock in idle:
+            assert_closed_by_server(sock)
+        assert time.monotonic() - opened >= 0.9  # a deadline, not an instant close
+
+        # A served connection that then sends half of its next head.
+        slow = socket.create_connection(address, timeout=10)
+        idle.append(slow)
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(slow).startswith(b"HTTP/1.1 200")
+        slow.sendall(b"GET /health HTTP/1.1\r\n")  # keep-alive, then half a head
+        assert_closed_by_server(slow)  # uvicorn's keep-alive timer stops at the first byte
+
+        # A whole head, then a body that never comes: the body's own deadline (408).
+        with socket.create_connection(address, timeout=10) as body_late:
+            body_late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: 100\r\n\r\n")  # fmt: skip
+            assert read_response(body_late).startswith(b"HTTP/1.1 408")
+    finally:
+        for sock in idle:
+            sock.close()
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert daemon.process is not None and daemon.process.poll() is None
+
+
+def test_address_reuse_is_asked_for_only_on_linux(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SO_REUSEADDR on Linux lets a port in TIME_WAIT be taken again; on macOS
+    and the BSDs it would let us bind 127.0.0.1:P while another socket holds
+    *:P, hiding a port in use."""
+    for platform, reused in (("linux", True), ("darwin", False), ("freebsd14", False)):
+        monkeypatch.setattr(sys, "platform", platform)
+        with anyio.run(bind_tcp, "127.0.0.1", 0, 8) as sock:
+            assert bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)) is reused
 
 
 def test_serve_refuses_a_bad_http_address(tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     allowed_uids: list[Uid] = []  # besides the daemon's own uid
     max_connections: Positive = 256
     max_queue: Count = 64  # waiting requests per model; past it, error busy
-    client_idle_timeout_s: Seconds = 10.0  # to send the whole first request
+    client_idle_timeout_s: Seconds = 10.0  # to send a request (HTTP: each head, then body)
     client_write_timeout_s: Seconds = 10.0  # a client that reads nothing this long is gone
     # the OpenAI-compatible HTTP front (README: "Using it from OpenAI clients")
     http_listen: str = DEFAULT_HTTP_LISTEN  # HOST:PORT, or "off"; checked by parse_listen

@@ -1,18 +1,25 @@
-"""The OpenAI-compatible HTTP front, served in the daemon's own task group.
+"""The OpenAI-compatible HTTP front: uvicorn, run as a task of the daemon's
+task group.
 
 Starlette routes on uvicorn, beside the control socket, over the same
 registry: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST
 /v1/completions`` (one JSON body, or server-sent events with ``stream``),
-``GET /health`` and ``GET /metrics``. Each request is a fault boundary, as a
+``GET /health`` and ``GET /metrics``. The server itself runs in the daemon's
+task group; each request runs in an asyncio task of uvicorn's own, which
+uvicorn cancels when it shuts down: :meth:`HttpFront.stop` gives open
+requests STOP_GRACE_S to finish first. Each request is a fault boundary, as a
 socket connection is: whatever goes wrong ends that request with an OpenAI
 error object, never the daemon. uvicorn's signal handlers are left out (the
 daemon owns SIGTERM and SIGINT), the daemon binds the listening socket
-itself (a port in use is logged, never a ``sys.exit``), and stops the server
-when it exits.
+itself (a port in use is logged, never a ``sys.exit``), and a connection
+must send each request head within ``client_idle_timeout_s`` (idle
+connections would otherwise hold ``max_connections`` and shut everyone
+out).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -21,12 +28,14 @@ import math
 import re
 import secrets
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 import uvicorn
@@ -40,6 +49,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.messages import (
     ChatMessage,
@@ -68,6 +78,8 @@ log = structlog.get_logger("supervisor.http")
 T = TypeVar("T")
 STOP_GRACE_S = 2  # open connections get this long to finish when the daemon exits
 RETRY_AFTER_BUSY_S = 1
+# Event-loop turns a stopped model's unload gets to forget it (it needs one).
+FORGET_TURNS = 100
 OWNER = "mlx-supervisor"
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
 
@@ -326,6 +338,12 @@ def sse(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+# What a send raises once the client has gone: OSError (as the ASGI spec asks
+# of servers), or anyio's closed-stream errors when a middleware passes the
+# messages through a memory stream that the client's leaving closed.
+VANISHED = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
+
+
 class ResponseWriter:
     """Writes one response to an ASGI ``send``. The head goes out only when
     there is something to say, so an error before that still gets its own
@@ -352,9 +370,9 @@ class ResponseWriter:
             except TimeoutError:
                 self.gone = True
                 raise ClientGone(f"the client read nothing for {self.write_timeout_s:g}s") from None
-            except OSError as exc:
+            except VANISHED as exc:
                 self.gone = True
-                raise ClientGone(str(exc)) from None
+                raise ClientGone(str(exc) or type(exc).__name__) from None
 
     def _head(self, status: int, media_type: str, headers: dict[str, str]) -> Message:
         self.started = True
@@ -484,7 +502,10 @@ class HttpFront:
             return
         started = False
         try:
-            self._server = DaemonUvicorn(uvicorn_config(self.app, self.config.max_connections))
+            config = uvicorn_config(
+                self.app, self.config.max_connections, self.config.client_idle_timeout_s
+            )
+            self._server = DaemonUvicorn(config)
             forward_uvicorn_logs()
             self.url = base_url(sock)
             if self.config.api_key is None and not is_loopback(sock):
@@ -740,7 +761,9 @@ class HttpFront:
         self, call: CompletionCall, writer: ResponseWriter, cancel: anyio.Event
     ) -> ModelEntry | None:
         """The model the call names, loaded (on demand: a stream hears the
-        load's progress as comments). None if the client left meanwhile.
+        load's progress as comments). A model being stopped (keep-alive ran
+        out, or admission evicted it) is waited for, up to queue_timeout_s,
+        and then found or loaded again. None if the client left meanwhile.
         Raises RequestError (unavailable, or the load failed)."""
         progress: Mailbox[LoadProgress] = Mailbox()
         found: list[ModelEntry] = []
@@ -750,7 +773,16 @@ class HttpFront:
 
         async def load() -> None:
             listener = progress.put if call.stream else None
-            found.append(await self.registry.ensure_loaded(call.model, listener))
+            deadline = anyio.current_time() + self.config.queue_timeout_s
+            while True:
+                entry = await self.registry.ensure_loaded(call.model, listener)
+                if entry.state != "stopping":
+                    break
+                with anyio.move_on_after(deadline - anyio.current_time()):
+                    if await self._forgotten(entry):
+                        continue  # stopped and gone: find or load it again
+                break  # still stopping: check_available says so
+            found.append(entry)
 
         await beside(functools.partial(progress.forward, keep_alive),
                      functools.partial(wait_unless, cancel, load))  # fmt: skip
@@ -759,6 +791,19 @@ class HttpFront:
         entry = found[0]
         check_available(entry)
         return entry
+
+    async def _forgotten(self, entry: ModelEntry) -> bool:
+        """Wait for a stopping model's supervision to end; then True once the
+        registry has forgotten the entry. The unload that stops it forgets it
+        as soon as it sees the stop, so a few turns of the event loop are
+        enough; False if it is still there after those (the unload did not
+        finish: the entry stays, stopping, and a new load cannot be had)."""
+        await entry.stopped.wait()
+        for _ in range(FORGET_TURNS):
+            if self.registry.entries.get(entry.name) is not entry:
+                return True
+            await anyio.lowlevel.checkpoint()
+        return self.registry.entries.get(entry.name) is not entry
 
     async def _generate(
         self, call: CompletionCall, entry: ModelEntry, writer: ResponseWriter, cancel: anyio.Event
@@ -831,7 +876,8 @@ class CompletionRoute:
 
 def check_available(entry: ModelEntry) -> None:
     """Refuse at once a model that cannot serve soon: restarting (in
-    backoff), crashed, failed or stopping. A load in progress is waited for.
+    backoff), crashed, failed, or still stopping (``_model_for`` waits for a
+    stop up to queue_timeout_s first). A load in progress is waited for.
 
     Raises:
         RequestError: not_ready (503, with Retry-After while restarting), or
@@ -878,13 +924,68 @@ class DaemonUvicorn(uvicorn.Server):
         yield
 
 
-def uvicorn_config(app: ASGIApp, max_connections: int) -> uvicorn.Config:
-    """uvicorn as the daemon wants it: h11 only, no lifespan, no websockets,
-    no logging setup of its own (its warnings come to our log), no access log
-    (we log requests ourselves), and a bound on connections."""
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 connection, closed when it has not sent a whole request
+    head within ``head_timeout_s`` of opening or of its last response.
+
+    uvicorn has no such deadline: a connection that sends nothing, or sends a
+    head a byte at a time (any byte stops uvicorn's keep-alive timer), stays
+    open for good, and ``max_connections`` of them would make every request,
+    /health too, a 503 (uvicorn's ``limit_concurrency``). A request in
+    progress is never cut: its body has its own deadline (the 408 of
+    ``_read_json``), and its response takes as long as it takes.
+    """
+
+    head_timeout_s: float = 10.0  # set by head_deadline_protocol
+
+    _head_timer: asyncio.TimerHandle | None = None
+    _waiting_cycle: object = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        self._arm_head_deadline()  # first: super() may start a pipelined request
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        """From now, a new request head must be complete within head_timeout_s.
+        A new head makes a new cycle: the deadline then does nothing."""
+        self._disarm_head_deadline()
+        self._waiting_cycle = self.cycle
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_overdue)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self.cycle is self._waiting_cycle and not self.transport.is_closing():
+            self.transport.close()  # connection_lost follows: uvicorn forgets it
+
+
+def head_deadline_protocol(head_timeout_s: float) -> type[HeadDeadlineProtocol]:
+    """HeadDeadlineProtocol with its deadline (uvicorn makes one per connection
+    from the class, passing only its own config)."""
+    return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"head_timeout_s": head_timeout_s})
+
+
+def uvicorn_config(app: ASGIApp, max_connections: int, head_timeout_s: float) -> uvicorn.Config:
+    """uvicorn as the daemon wants it: h11 only, with a deadline for each
+    request head, no lifespan, no websockets, no logging setup of its own
+    (its warnings come to our log), no access log (we log requests
+    ourselves), and a bound on connections (idle ones are closed by the head
+    deadline, so they cannot hold it for good)."""
     return uvicorn.Config(
         app,
-        http="h11",
+        http=head_deadline_protocol(head_timeout_s),
         ws="none",
         lifespan="off",
         interface="asgi3",
@@ -907,7 +1008,12 @@ async def bind_tcp(host: str, port: int, backlog: int) -> socket.socket:
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT is no owner
+        if sys.platform.startswith("linux"):
+            # On Linux it only lets a port in TIME_WAIT be taken again (a TIME_WAIT
+            # is no owner). Not elsewhere: on macOS and the BSDs it would also let
+            # us bind 127.0.0.1:P while another socket holds *:P, and a port in
+            # use would go unnoticed.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(backlog)
         sock.setblocking(False)
