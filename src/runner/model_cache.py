@@ -41,7 +41,8 @@ __all__ = [
 # Marker file written last into a build directory (the name dates from the first builtins).
 MANIFEST_NAME = "builtin_recipe.json"
 
-# Temporary build directories older than this are leftovers of a crashed creator.
+# Temporary build directories older than this are leftovers of a crashed creator even when the
+# creation lock could not be taken (under the lock, every one is: see _remove_leftover_tmp_dirs).
 STALE_TMP_SECONDS = 3600.0
 
 ProgressCallback = Callable[[str, int, int], None]
@@ -80,10 +81,10 @@ def build_once(
     target = root / name
     if is_complete(target, identity):
         return target
-    with creation_lock(root / f".{name}.lock"):
+    with creation_lock(root / f".{name}.lock") as locked:
         if is_complete(target, identity):  # another process finished while we waited
             return target
-        _remove_stale_tmp_dirs(root, name)
+        _remove_leftover_tmp_dirs(root, name, locked)
         if target.exists():
             # Not produced by us (we only ever rename complete builds into place) or damaged
             # later, e.g. a file deleted by hand: move it out of the way and build afresh.
@@ -136,8 +137,8 @@ def is_complete(path: Path, identity: dict[str, Any]) -> bool:
 def scratch_dir(root: Path, name: str) -> Iterator[Path]:
     """A private temporary directory under ``root`` for building ``name``, removed on exit.
 
-    It carries the build's temporary prefix, so one left by a crashed process is removed with
-    the other stale leftovers by the next build of ``name``.
+    It carries the build's temporary prefix, so one left by a killed process is removed with
+    the other leftovers by the next build of ``name``.
     """
     path = Path(tempfile.mkdtemp(prefix=_tmp_prefix(name), dir=root))
     try:
@@ -147,22 +148,27 @@ def scratch_dir(root: Path, name: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def creation_lock(path: Path) -> Iterator[None]:
+def creation_lock(path: Path) -> Iterator[bool]:
     """Exclusive advisory lock serialising creators (so a big model is built only once).
 
-    Correctness does not depend on it: builds are atomic renames of private temp dirs.
+    Yields whether the lock is held: False where there are no locks (not POSIX, or a filesystem
+    without them, such as some network mounts). Correctness does not depend on it: builds are
+    atomic renames of private temp dirs.
     """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX; fall back to the rename race
-        yield
+        yield False
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        # A filesystem without locks (some network mounts) fails here: rely on the rename race.
-        with contextlib.suppress(OSError):
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        except OSError:  # no locks here: rely on the rename race
+            locked = False
+        else:
+            locked = True
+        yield locked
     finally:
         os.close(fd)  # closing releases the lock
 
@@ -171,11 +177,20 @@ def _tmp_prefix(name: str) -> str:
     return f".{name}.tmp-"
 
 
-def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
+def _remove_leftover_tmp_dirs(root: Path, name: str, locked: bool) -> None:
+    """Remove the temporary directories (builds, scratch) that creators of ``name`` left.
+
+    Under the creation lock every one is a leftover, however new: only the holder of the lock
+    makes them, and a holder that was killed released it. Without the lock a new one may be
+    another creator's build in progress, so only those older than ``STALE_TMP_SECONDS`` go.
+    """
+    prefix = _tmp_prefix(name)
     now = time.time()
-    for entry in root.glob(_tmp_prefix(name) + "*"):
+    for entry in root.glob(prefix + "*"):
+        if "." in entry.name[len(prefix) :]:  # a temporary directory of "NAME.tmp-...", not ours
+            continue
         with contextlib.suppress(OSError):
-            if now - entry.stat().st_mtime > STALE_TMP_SECONDS:
+            if locked or now - entry.stat().st_mtime > STALE_TMP_SECONDS:
                 shutil.rmtree(entry, ignore_errors=True)
 
 

@@ -3,8 +3,10 @@
 003's formula, for MLX: weights + KV cache + activations + overhead, plus an allowance for a
 vision encoder's activations (ADR-016). Weights are exact where the model ships safetensors (the
 byte ranges in the file headers, quantized tensors included); the rest come from ``config.json``.
-The tensor data itself is never read, and mlx, mlx_lm and numpy are never imported: this runs
-inside the daemon.
+A GGUF file is estimated as the runner will load it, converted and dequantized (see
+``runner.gguf_import``): from its conversion when there is one, else from its header. The
+tensor data itself is never read, and mlx, mlx_lm, numpy and gguf-py are never imported: this
+runs inside the daemon.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ _VISION_TENSOR_PARTS = frozenset(
         "mm_projector",
     }
 )
+_GGUF_MAGIC = b"GGUF"  # how a GGUF file begins
 # What snapshot_download must find in the cache for the estimate (and a load) to work.
 _HF_ALLOW_PATTERNS = ["*.json", "*.safetensors"]
 
@@ -93,13 +96,13 @@ class Estimate(msgspec.Struct, frozen=True):
     total_bytes: int  # sum of the above
     context_tokens: int  # what the KV cache was planned for
     vision: bool
-    weights_source: str  # "safetensors" (exact), "gguf", "disk" (size on disk), "builtin"
+    weights_source: str  # "safetensors" (exact), "gguf" (header), "disk" (size), "builtin"
     path: str | None  # the model directory or file (None if not on disk)
 
 
 _SOURCE_TEXT = {
     "safetensors": "exact, from the safetensors headers",
-    "gguf": "size of the .gguf file(s) on disk",
+    "gguf": "computed from the GGUF header, dequantized as the runner converts it",
     "disk": "size of the files on disk",
     "builtin": "computed from the builtin recipe (not built yet)",
 }
@@ -318,30 +321,36 @@ def _assemble(
 
 
 def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimate:
-    """Estimate the model in directory ``path`` (or a single ``.gguf`` file).
+    """Estimate the model in directory ``path`` (or a single GGUF file).
 
-    Weights: the safetensors headers' byte counts (``weights_source`` "safetensors"), else the
-    size of the ``*.gguf`` files ("gguf"), else of all files in the directory ("disk"). KV cache
-    and activations come from ``config.json`` (for a ``.gguf`` file, the one beside it); without
-    one they are 0, since GGUF metadata is not parsed. A model is a vision model when its config
-    has ``vision_config`` or its safetensors hold vision-tower tensors.
+    A directory: weights are the safetensors headers' byte counts (``weights_source``
+    "safetensors"), else the size of its ``*.gguf`` files, else of all its files ("disk"); KV
+    cache and activations come from ``config.json`` (0 without one). A model is a vision model
+    when its config has ``vision_config`` or its safetensors hold vision-tower tensors.
+
+    A GGUF file (named ``*.gguf``, or one that begins as GGUF files do, such as Ollama's
+    ``sha256-...`` blobs: as ``runner.loading`` decides) is estimated as the runner loads it:
+    converted into a directory of dequantized weights (float32 on the CPU, float16 on a GPU;
+    ``runner.gguf_import``). When that conversion exists, it is estimated ("safetensors");
+    otherwise the config and weight bytes the conversion will have are computed from the
+    file's header ("gguf"; the tensor data is not read). ``path`` in the estimate is the GGUF
+    file either way.
 
     Args:
-        path: the model directory or ``.gguf`` file.
+        path: the model directory or GGUF file.
         context_tokens: tokens to plan the KV cache for; default ``default_context_tokens``.
 
     Raises:
         ValueError: a corrupt safetensors header, index or config.json (the message names the
-            file), a file that is not a model, or ``context_tokens`` < 1.
+            file), a file that is not a model, a GGUF file the runner cannot convert (the
+            converter's reason), or ``context_tokens`` < 1.
         OSError: ``path`` does not exist, or a file cannot be read.
     """
     path = Path(path)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path}: neither a model directory nor a .gguf file")
-        config = _read_config(path.parent)
-        vision = isinstance(config.get("vision_config"), dict)
-        return _assemble(config, path.stat().st_size, "gguf", path, context_tokens, vision)
+        if not _is_gguf_file(path):
+            raise ValueError(f"{path}: neither a model directory nor a GGUF file")
+        return _estimate_gguf(path, context_tokens)
     if not path.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no model directory", str(path))
 
@@ -356,9 +365,37 @@ def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimat
         return _assemble(config, weights_bytes, "safetensors", path, context_tokens, vision)
     if ggufs := sorted(path.glob("*.gguf")):
         weights_bytes = sum(file.stat().st_size for file in ggufs)
-        return _assemble(config, weights_bytes, "gguf", path, context_tokens, vision)
+        return _assemble(config, weights_bytes, "disk", path, context_tokens, vision)
     weights_bytes = sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
     return _assemble(config, weights_bytes, "disk", path, context_tokens, vision)
+
+
+def _is_gguf_file(path: Path) -> bool:
+    """Whether the runner takes file ``path`` for a GGUF file: by its name (``*.gguf``) or else
+    by its first bytes (runner.loading's rule; Ollama's blobs have no suffix)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _estimate_gguf(path: Path, context_tokens: int | None) -> Estimate:
+    """A GGUF file as the runner loads it: its conversion if made, else from its header."""
+    # Lazy, as for builtins: runner.gguf_import imports no mlx, numpy or gguf-py (only its
+    # converter does, when it runs), and these two read stat results and the GGUF header with
+    # the standard library. Sharing them keeps one definition of the conversion's cache name,
+    # config and dtype for the runner and the estimate.
+    from runner.gguf_import import built_gguf_model_dir, gguf_config_and_weight_bytes
+
+    converted = built_gguf_model_dir(path)
+    if converted is not None:
+        estimate = estimate_model_dir(converted, context_tokens)
+        return msgspec.structs.replace(estimate, path=str(path))
+    config, weights_bytes = gguf_config_and_weight_bytes(path)
+    return _assemble(config, weights_bytes, "gguf", path, context_tokens, vision=False)
 
 
 def _hf_cached_snapshot(repo_id: str) -> Path | None:
@@ -380,8 +417,8 @@ def local_model_path(model: str) -> Path | None:
     """Where ``model`` already is on this machine, touching no network; None if it is not.
 
     ``builtin:NAME``: its directory once built (None before, or for an unknown name); an
-    existing directory or ``.gguf`` file: itself; ``org/name``: its snapshot in the local
-    Hugging Face cache, if complete.
+    existing directory or GGUF file (``*.gguf``, or by its first bytes): itself; ``org/name``:
+    its snapshot in the local Hugging Face cache, if complete.
     """
     if model.startswith(BUILTIN_PREFIX):
         # The recipe lives with the runner; importing it pulls in no mlx.
@@ -392,7 +429,7 @@ def local_model_path(model: str) -> Path | None:
         except ValueError:  # unknown builtin: the load will say so
             return None
     candidate = Path(model).expanduser()
-    if candidate.is_dir() or (candidate.is_file() and candidate.suffix == ".gguf"):
+    if candidate.is_dir() or (candidate.is_file() and _is_gguf_file(candidate)):
         return candidate.resolve()
     if "/" in model and not candidate.is_absolute() and not model.startswith((".", "~")):
         return _hf_cached_snapshot(model)
