@@ -1,5 +1,6 @@
-"""What the bench scripts share: a private daemon and its log, the order of two sides,
-percentiles, number formats and tables, machine info and the results file.
+"""What the bench scripts share: a private daemon and its log, mlx_lm.server beside it,
+the order of two sides, percentiles, number formats and tables, machine info and the
+results file.
 
 Each ``bench_*.py`` is one family of figures; a helper two of them need lives here.
 """
