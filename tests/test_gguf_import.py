@@ -798,7 +798,11 @@ def test_the_daemon_loads_a_gguf_file_given_by_a_relative_path(
 
 
 @fetches_smollm2
-def test_smollm2_answers_through_the_daemon(start_daemon: DaemonFactory, smollm2_dir: Path) -> None:
+def test_smollm2_answers_through_the_daemon_as_plain_mlx_lm_does_in_process(
+    start_daemon: DaemonFactory, smollm2: tuple[Any, Any]
+) -> None:
+    import mlx_lm
+
     client = Client(start_daemon().socket_path)
     loaded = client.load("builtin:smollm2")
     assert loaded.name == "smollm2"
@@ -807,6 +811,11 @@ def test_smollm2_answers_through_the_daemon(start_daemon: DaemonFactory, smollm2
         text = "".join(gen)
     assert gen.done is not None
     assert "Paris" in text and gen.done.finish_reason == "stop"  # it ends its turn itself
+    model, tokenizer = smollm2  # the converted directory, loaded by plain mlx_lm.load
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)
+    steps = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24))
+    assert "".join(step.text for step in steps) == text  # greedy: the same tokens
+    assert steps[-1].generation_tokens == gen.done.generation_tokens
 
 
 def test_a_gguf_blob_without_the_suffix_loads_as_gguf(own_cache: Path, tmp_path: Path) -> None:
