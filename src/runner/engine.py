@@ -664,7 +664,10 @@ class Engine:
             cached_tokens=job.cached_tokens,
             batched=job.batched,
         )
-        self.send(done)  # the client first, the log after
+        # The engine's new figures first: a client that asks for the status as
+        # soon as its request is done sees what the request did (the cache entry).
+        self._report()
+        self.send(done)  # the client before the log
         self.on_finished(job.request_id, len(job.tokens))
         log.info(
             "generation_done",
@@ -678,15 +681,14 @@ class Engine:
             max_tokens_clamped_to=job.clamped_to,
             detail=job.detail,
         )
-        self._report()
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         job.ready = len(job.text)
         self._flush(job)
         log.error("generation_failed", request_id=job.request_id, error=repr(exc))
+        self._report()
         self.send(GenerationFailed(job.request_id, f"{type(exc).__name__}: {exc}"))
         self.on_finished(job.request_id, None)
-        self._report()
 
     def _report(self) -> None:
         self.stats_snapshot = self.stats()
