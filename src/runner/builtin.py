@@ -28,7 +28,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,18 +128,20 @@ class _Spec:
         return f"{self.name}-v{RECIPE_VERSION}"
 
 
+_TINY = _Spec(
+    name="tiny",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=192,
+    max_position_embeddings=4096,
+    dtype="float32",
+    seed=0x7E1E,
+)
+
 _SPECS: dict[str, _Spec] = {
-    "tiny": _Spec(
-        name="tiny",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=192,
-        max_position_embeddings=4096,
-        dtype="float32",
-        seed=0x7E1E,
-    ),
+    "tiny": _TINY,
     "small": _Spec(
         name="small",
         hidden_size=1024,
@@ -153,18 +155,7 @@ _SPECS: dict[str, _Spec] = {
     ),
     # tiny's shape as a qwen3 model (per-head q/k RMSNorm), so that tests can check behaviour
     # such as the KV prefix cache on a second architecture.
-    "tiny-qwen3": _Spec(
-        name="tiny-qwen3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=192,
-        max_position_embeddings=4096,
-        dtype="float32",
-        seed=0x7E13,
-        architecture="qwen3",
-    ),
+    "tiny-qwen3": replace(_TINY, name="tiny-qwen3", seed=0x7E13, architecture="qwen3"),
 }
 
 # The random-weight models above, then the real ones fetched from the package index.
