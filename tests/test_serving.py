@@ -26,6 +26,8 @@ PROMPTS = [
     "A prefix cache saves the prompt's work",
     "Four clients at once share one model",
 ]
+
+
 class Streams:
     """Generations started together on threads; each one's outcome."""
 

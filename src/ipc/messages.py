@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -99,6 +99,7 @@ class LoadProgress(msgspec.Struct, tag="load_progress"):
     total: int
     active_bytes: int
     remaining_bytes: int | None = None  # memory the machine has left (the load guard's view)
+    rank: int | None = None  # the rank that sent it, in a distributed group
 
 
 class TextChunk(msgspec.Struct, tag="chunk"):
@@ -173,6 +174,8 @@ class LoadRequest(msgspec.Struct, tag="load"):
     context_tokens: int | None = None  # the context the memory estimate plans for
     max_concurrent: int | None = None  # requests served side by side (1: one at a time)
     prefix_cache: bool | None = None  # keep a KV prefix cache
+    ranks: int | None = None  # processes the model is sharded over (mx.distributed)
+    hostfile: str | None = None  # or an mlx.launch hostfile: one rank per host
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -236,6 +239,20 @@ class ExitInfo(msgspec.Struct):
     stderr_tail: list[str] = []
     cause_class: CauseClass = "unknown"
     audit: ExitAudit | None = None  # the runner's exit audit, when it wrote one
+    # A distributed group: the rank this is about (the first to die), and how
+    # every rank ended, in rank order.
+    rank: int | None = None
+    ranks: list[RankExit] = []
+
+
+class RankExit(msgspec.Struct):
+    """How one rank of a distributed group ended (see :class:`ExitInfo`)."""
+
+    rank: int
+    code: int | None
+    signal: str | None
+    cause: str
+    cause_class: CauseClass = "unknown"
 
 
 class Loaded(msgspec.Struct, tag="loaded"):
@@ -303,6 +320,19 @@ class RunnerInfo(msgspec.Struct):
     batching: bool | None = None  # None until loaded
     batching_reason: str | None = None  # why not, when batching is False
     prefix_cache: PrefixCacheStats | None = None
+    ranks: list[RankInfo] = []  # a distributed group: one per rank, rank 0 first
+
+
+class RankInfo(msgspec.Struct):
+    """One rank of a model sharded over several processes."""
+
+    rank: int
+    pid: int | None
+    host: str
+    state: str  # starting, loading, ready, exited
+    rss_bytes: int | None = None
+    mlx_active_bytes: int | None = None
+    mlx_peak_bytes: int | None = None
 
 
 class SpareInfo(msgspec.Struct):
@@ -425,6 +455,23 @@ class EngineSettings(msgspec.Struct, frozen=True):
     stream_interval_s: float = 0.01
 
 
+class Distributed(msgspec.Struct, frozen=True):
+    """This runner is rank ``rank`` of an ``mx.distributed`` group.
+
+    ``hosts`` holds the address every rank listens on (``"ip:port"``, in
+    rank order); the runner writes the backend's host file from it on its
+    own machine.
+    """
+
+    rank: int
+    hosts: list[str]
+    backend: Literal["ring"] = "ring"
+
+    @property
+    def size(self) -> int:
+        return len(self.hosts)
+
+
 class LoadModel(msgspec.Struct, tag="load_model"):
     """Load ``model``. ``faults`` adds fault injection (see runner.faults) to a
     runner that was started without it, such as the hot spare."""
@@ -435,6 +482,7 @@ class LoadModel(msgspec.Struct, tag="load_model"):
     faults: str = ""
     memory: MemoryPlan | None = None
     engine: EngineSettings = EngineSettings()
+    distributed: Distributed | None = None  # one rank of a group
 
 
 class Generate(msgspec.Struct, tag="generate"):

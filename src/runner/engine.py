@@ -48,6 +48,7 @@ from ipc.messages import (
     Heartbeat,
     TextChunk,
 )
+from runner.distributed import Group
 from runner.faults import Faults
 from runner.guard import CHECK_EVERY_TOKENS, MemoryGuard, RequestGuard
 from runner.prefix_cache import PrefixCache, PromptCache
@@ -59,6 +60,13 @@ log = structlog.get_logger("runner.engine")
 HEARTBEAT_INTERVAL_S = 0.5
 PREFILL_STEP_TOKENS = 2048
 PREFIX_CACHE_SHARE = 0.25
+ADMISSION_SHARE = 0.02
+ADMISSION_CAP_S = 0.05
+"""A lone request on an idle engine waits for company at most this share of
+its expected prefill time (and never longer than the cap): clients that send
+at once reach the runner a few milliseconds apart, and a long solo prefill
+would make the others wait for all of it. A fast prefill waits ~nothing."""
+PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
 """The prefix cache's default budget: this share of the runner's memory
 budget, or of the memory available at load when it has none."""
 
@@ -150,6 +158,10 @@ class Engine:
         on_finished: called with each request's id and generated tokens (None
             if it failed) once its last frame is sent.
         max_tokens_cap: the model's hard token cap.
+        group: the distributed group this runner is a rank of, if any. Every
+            rank serves the same requests, one at a time, and stops each at
+            the same token; the prefix cache is off (its evictions follow
+            each rank's own memory, which could part the ranks).
     """
 
     def __init__(
@@ -164,8 +176,10 @@ class Engine:
         is_cancelled: Callable[[int], bool],
         on_finished: Callable[[int, int | None], None],
         max_tokens_cap: int | None,
+        group: Group | None = None,
     ) -> None:
         self.model = model
+        self.group = group
         self.tokenizer = tokenizer
         self.guard = guard
         self.faults = faults
@@ -177,9 +191,12 @@ class Engine:
         self.batching, self.batching_reason = batchability(model)
         if settings.max_concurrent <= 1 and self.batching:
             self.batching, self.batching_reason = False, "max_concurrent is 1"
+        if group is not None:
+            self.batching = False
+            self.batching_reason = f"a distributed group ({group.size} ranks) serves one at a time"
         self.max_concurrent = max(1, settings.max_concurrent) if self.batching else 1
         self.prefix_cache: PrefixCache | None = None
-        if settings.prefix_cache:
+        if settings.prefix_cache and group is None:
             budget = settings.prefix_cache_bytes
             if budget is None:
                 budget = default_prefix_cache_bytes(guard)
@@ -192,6 +209,7 @@ class Engine:
         self._stop_tokens = [[t] for t in sorted(tokenizer.eos_token_ids)]
         self._samplers: dict[tuple[float, float], Any] = {}
         self._steps = 0
+        self._prefill_tps: float | None = None  # solo prefill tokens/s, a running estimate
         self._progress = 0
         self._last_beat = time.perf_counter()
         self.stats_snapshot = self.stats()
@@ -205,6 +223,18 @@ class Engine:
     @property
     def active(self) -> int:
         return (self.solo is not None) + len(self.in_batch)
+
+    def admission_wait_s(self) -> float:
+        """How much longer to wait for more requests before starting the one
+        waiting alone on an idle engine (0: start now)."""
+        if self.solo is not None or self.batch is not None or len(self.pending) != 1:
+            return 0.0
+        job = self.pending[0]
+        if self._prefill_tps is None or not self._batchable(job):
+            return 0.0
+        expected_s = len(job.prompt) / self._prefill_tps
+        window_s = min(ADMISSION_CAP_S, ADMISSION_SHARE * expected_s)
+        return max(0.0, job.received + window_s - time.perf_counter())
 
     def submit(self, request: Generate) -> None:
         """Queue ``request``; a request that cannot run fails at once."""
@@ -361,6 +391,10 @@ class Engine:
 
         def prefill_progress(processed: int, total: int) -> None:
             stop = job.guard.check(f"in prefill ({processed}/{total} prompt tokens)")
+            if self.group is not None:  # at the same chunk on every rank
+                (elsewhere,) = self.group.agree(stop is not None)
+                if elsewhere and stop is None:
+                    stop = "memory pressure on another rank of the group"
             if stop is not None:
                 raise _StoppedInPrefill(stop)
             self._progress += 1
@@ -478,25 +512,38 @@ class Engine:
             return
         except Exception as exc:
             self.solo = None
-            self._fail(job, exc)
+            self._fail_solo(job, exc)
             return
         try:
             finish = self._on_token(job, token, None)
         except Exception as exc:
             solo.steps.close()
             self.solo = None
-            self._fail(job, exc)
+            self._fail_solo(job, exc)
             return
         if finish is None:
             detail = job.guard.at_token(len(job.tokens))
+            cancelled = self.is_cancelled(job.request_id)
+            if self.group is not None:  # every rank stops at the same token
+                memory, cancelled = self.group.agree(detail is not None, cancelled)
+                if memory and detail is None:
+                    detail = "memory pressure on another rank of the group"
             if detail is not None:
                 job.detail, finish = detail, "memory_pressure"
-            elif self.is_cancelled(job.request_id):
+            elif cancelled:
                 finish = "cancelled"
         if finish is not None:
             solo.steps.close()
             self.solo = None
             self._finish(job, finish, cache=solo.cache)
+
+    def _fail_solo(self, job: Job, exc: Exception) -> None:
+        """The lone request failed. In a group the other ranks may be one
+        collective further on, or gone: the group cannot go on, so the error
+        leaves the engine (the runner exits and the group is restarted)."""
+        if self.group is not None:
+            raise exc
+        self._fail(job, exc)
 
     def _step_batch(self, batch: Any) -> None:
         try:
@@ -573,6 +620,7 @@ class Engine:
         """Take one generated token: text out to the client; the finish, if any."""
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
+            self._note_prefill(job)
         job.tokens.append(token)
         count = len(job.tokens)
         self._progress += 1
@@ -595,6 +643,16 @@ class Engine:
         if first_text or finish is not None or now - job.sent_at >= self.stream_interval_s:
             self._flush(job, now)
         return finish
+
+    def _note_prefill(self, job: Job) -> None:
+        """Fold a solo prefill's rate into the estimate admission waits by."""
+        computed = len(job.prompt) - job.cached_tokens
+        elapsed = (job.first_token_at or 0.0) - job.started
+        if job.batched or computed < 8 or elapsed <= 0:
+            return
+        rate = computed / elapsed
+        old = self._prefill_tps
+        self._prefill_tps = rate if old is None else old + PREFILL_RATE_WEIGHT * (rate - old)
 
     def _flush(self, job: Job, now: float | None = None) -> None:
         """Send the text ``job`` made since its last frame, in one frame.

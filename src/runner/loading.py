@@ -135,3 +135,59 @@ def load_model(
         param_bytes=parameter_bytes(loaded_model),
         load_s=time.perf_counter() - started,
     )
+
+
+def load_sharded(
+    model: str, progress: ProgressCallback, group: Any, guard: MemoryGuard | None = None
+) -> LoadedModel:
+    """Load this rank's shard of ``model`` with mlx-lm's ``sharded_load``:
+    tensor parallel where the architecture has ``shard``, else pipeline.
+
+    Every rank of ``group`` must call it (it ends with a barrier). mlx-lm
+    evaluates the shard in one go, so progress has one weights step.
+
+    Raises:
+        ValueError: the architecture cannot be sharded, or not over this
+            many ranks (tensor parallel splits the attention heads).
+        MemoryGuardError: ``guard`` found memory short after the load.
+    """
+    from mlx_lm.utils import load_model as load_lazily
+    from mlx_lm.utils import sharded_load
+
+    started = time.perf_counter()
+    progress("resolve", 0, 1)
+    path = resolve_model_path(model, progress)
+    progress("resolve", 1, 1)
+    progress("weights", 0, 1)
+    probe, config = load_lazily(path, lazy=True, strict=False)
+    tensor = hasattr(probe, "shard")
+    if tensor:
+        heads = config.get("num_attention_heads")
+        kv_heads = config.get("num_key_value_heads", heads)
+        size = group.size()
+        uneven = [n for n in (heads, kv_heads) if isinstance(n, int) and n % size]
+        if uneven:
+            raise ValueError(
+                f"tensor parallel over {size} ranks splits the attention heads "
+                f"({heads} query, {kv_heads} key/value): each must divide by {size}"
+            )
+    del probe
+    loaded_model, tokenizer = cast(
+        tuple[Any, Any],
+        sharded_load(
+            str(path),
+            pipeline_group=None if tensor else group,
+            tensor_group=group if tensor else None,
+        ),
+    )
+    view = guard.refresh() if guard is not None else None
+    progress("weights", 1, 1)
+    if guard is not None:
+        guard.check_load(1, 1, view)
+    return LoadedModel(
+        model=loaded_model,
+        tokenizer=tokenizer,
+        path=path,
+        param_bytes=parameter_bytes(loaded_model),
+        load_s=time.perf_counter() - started,
+    )

@@ -54,6 +54,7 @@ EXIT_ORPHANED = 70  # the supervisor went away
 EXIT_PROTOCOL = 71  # the supervisor sent something we cannot read
 EXIT_LOAD_FAILED = 72
 EXIT_MEMORY_GUARD = 73  # the load guard stopped the load (the supervisor's classifier knows 73)
+EXIT_GROUP_BROKEN = 74  # a rank of a distributed group cannot go on (a peer lost, a step failed)
 
 log = structlog.get_logger("runner")
 
@@ -70,7 +71,8 @@ class RunnerExit(Exception):
 
 
 def set_parent_death_signal(parent_pid: int) -> None:
-    """On Linux, have the kernel SIGKILL us when our parent dies."""
+    """On Linux, have the kernel SIGKILL us when our parent dies (0: whoever
+    it is now; over ssh, the session's process)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -78,7 +80,7 @@ def set_parent_death_signal(parent_pid: int) -> None:
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if parent_pid and os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(EXIT_ORPHANED)
 
 
@@ -172,7 +174,12 @@ class Runner:
             engine = self.engine
             busy = engine is not None and not engine.idle
             try:
-                command = self.commands.get_nowait() if busy else self.commands.get()
+                if not busy:
+                    command = self.commands.get()
+                elif engine is not None and (wait_s := engine.admission_wait_s()) > 0:
+                    command = self.commands.get(timeout=wait_s)  # company for a lone request
+                else:
+                    command = self.commands.get_nowait()
             except queue.Empty:
                 command = None
             if isinstance(command, Shutdown):
@@ -194,10 +201,27 @@ class Runner:
 
     def step(self, engine: Engine) -> None:
         """One engine step, as a fault boundary: an error no one request owns
-        fails the requests in the engine, not the runner."""
+        fails the requests in the engine, not the runner.
+
+        A rank of a distributed group exits instead: its peers are gone, or
+        a collective behind, and the group is restarted as a whole.
+
+        Raises:
+            RunnerExit: a rank's step failed.
+        """
         try:
             engine.step()
         except Exception as exc:
+            if engine.group is not None:
+                from runner.distributed import is_peer_lost
+
+                lost = is_peer_lost(exc)
+                log.error("group_broken", error=str(exc), peer_lost=lost)
+                raise RunnerExit(
+                    EXIT_GROUP_BROKEN,
+                    f"{'peer lost' if lost else 'step failed'}: {type(exc).__name__}: {exc}",
+                    "peer_lost" if lost else None,
+                ) from exc
             log.exception("engine_step_failed")
             engine.fail_all(exc)
 
@@ -208,7 +232,7 @@ class Runner:
             RunnerExit: the load failed (exit 72), or the memory guard
                 stopped it (exit 73, cause class ``memory_guard``).
         """
-        from runner.loading import load_model
+        from runner.loading import load_model, load_sharded
 
         self.name = command.name
         self.max_tokens_cap = command.max_tokens_cap
@@ -222,7 +246,10 @@ class Runner:
             active = self.guard.figures.active_bytes
             view = self.guard.last_view if phase == "weights" else None
             remaining = None if view is None else view.remaining_bytes
-            self.channel.send(LoadProgress(command.name, phase, done, total, active, remaining))
+            rank = command.distributed.rank if command.distributed is not None else None
+            self.channel.send(
+                LoadProgress(command.name, phase, done, total, active, remaining, rank)
+            )
             if view is not None:
                 log.info(
                     "load_progress",
@@ -238,7 +265,18 @@ class Runner:
             self.guard.plan = command.memory
             self.guard.apply_limits()
             self.faults.at_load()
-            loaded = load_model(command.model, progress, self.guard)
+            if command.distributed is not None:
+                from runner.distributed import join
+
+                progress("join", 0, 1)
+                group = join(command.distributed)
+                progress("join", 1, 1)
+                structlog.contextvars.bind_contextvars(rank=group.rank)
+                loaded = load_sharded(command.model, progress, group.group, self.guard)
+                group.same_seed()
+            else:
+                group = None
+                loaded = load_model(command.model, progress, self.guard)
         except MemoryGuardError as exc:
             log.error(
                 "memory_guard_abort",
@@ -275,6 +313,7 @@ class Runner:
             is_cancelled=self.is_cancelled,
             on_finished=self.request_finished,
             max_tokens_cap=self.max_tokens_cap,
+            group=group,
         )
         stats = self.engine.stats_snapshot
         active, peak = self.guard.figures.active_bytes, self.guard.figures.peak_bytes

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import msgspec
 from tqdm import tqdm
 
-from ipc.messages import ChatMessage, LoadProgress, RunnerInfo, StatusReply
+from ipc.messages import ChatMessage, LoadProgress, RankInfo, RunnerInfo, StatusReply
 from supervisor import __version__
 from supervisor.client import Client, ClientError, DaemonUnreachable
 from supervisor.config import ConfigError, load_config
@@ -51,6 +51,7 @@ def status_table(status: StatusReply) -> str:
     rows: list[tuple[str, ...]] = [header]
     for r in status.runners:
         rows.append(_runner_row(r, now))
+        rows.extend(_rank_row(rank) for rank in r.ranks)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
@@ -97,6 +98,14 @@ def _runner_row(r: RunnerInfo, now: float) -> tuple[str, ...]:
     )
 
 
+def _rank_row(rank: RankInfo) -> tuple[str, ...]:
+    """A line under a sharded model's own: one of its ranks."""
+    mlx = format_bytes(rank.mlx_active_bytes) if rank.mlx_active_bytes is not None else "-"
+    pid = str(rank.pid) if rank.pid is not None else "-"
+    return (f"  rank {rank.rank}", rank.host, pid, rank.state,
+            format_bytes(rank.rss_bytes), mlx, *("",) * 7)  # fmt: skip
+
+
 def _cache_cell(r: RunnerInfo) -> str:
     """'12.0 MiB, 3 (80% hits)': the prefix cache's bytes, entries and hit rate."""
     cache = r.prefix_cache
@@ -117,22 +126,22 @@ class ProgressPrinter:
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty()
-        self._last_phase = ""
+        self._last_phase: tuple[int | None, str] = (None, "")
         self._bar: tqdm[Any] | None = None
 
     def __call__(self, p: LoadProgress) -> None:
         if self.tty:
             self._draw(p)
-        elif p.phase != self._last_phase or (p.done == p.total and p.total > 1):
+        elif (p.rank, p.phase) != self._last_phase or (p.done == p.total and p.total > 1):
             self.stream.write(_progress_line(p) + "\n")
             self.stream.flush()
-        self._last_phase = p.phase
+        self._last_phase = (p.rank, p.phase)
 
     def _draw(self, p: LoadProgress) -> None:
-        if self._bar is None or p.phase != self._last_phase:
+        if self._bar is None or (p.rank, p.phase) != self._last_phase:
             self.finish()
             unit = PHASE_UNITS.get(p.phase, "step")
-            self._bar = tqdm(total=p.total, desc=f"{p.name}: {p.phase}", unit=unit,
+            self._bar = tqdm(total=p.total, desc=f"{_who(p)}: {p.phase}", unit=unit,
                              unit_scale=unit == "B", file=self.stream, leave=False,
                              dynamic_ncols=True)  # fmt: skip
         bar = self._bar
@@ -157,12 +166,16 @@ def _memory_note(p: LoadProgress) -> str:
     return note
 
 
+def _who(p: LoadProgress) -> str:
+    return p.name if p.rank is None else f"{p.name} rank {p.rank}"
+
+
 def _progress_line(p: LoadProgress) -> str:
     if p.phase == "weights":
-        return f"loading {p.name}: layer {p.done}/{p.total} ({_memory_note(p)})"
+        return f"loading {_who(p)}: layer {p.done}/{p.total} ({_memory_note(p)})"
     if p.phase == "fetch" and p.total > 1:
-        return f"loading {p.name}: fetch {format_bytes(p.done)} of {format_bytes(p.total)}"
-    return f"loading {p.name}: {p.phase}"
+        return f"loading {_who(p)}: fetch {format_bytes(p.done)} of {format_bytes(p.total)}"
+    return f"loading {_who(p)}: {p.phase}"
 
 
 def config_file(given: Path | None) -> Path | None:
@@ -236,6 +249,8 @@ def cmd_load(args: argparse.Namespace, client: Client) -> int:
             context_tokens=args.context,
             max_concurrent=args.max_concurrent,
             prefix_cache=False if args.no_prefix_cache else None,
+            ranks=args.ranks,
+            hostfile=str(Path(args.hostfile).resolve()) if args.hostfile else None,
             on_progress=progress,
         )
     finally:
@@ -453,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "the daemon's keep_alive_s)")  # fmt: skip
     p.add_argument("--max-concurrent", type=int, metavar="N",
                    help="requests served side by side (default: the daemon's, 8)")  # fmt: skip
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="shard the model over N processes with mx.distributed (ring over "
+                        "loopback), supervised as one unit")  # fmt: skip
+    p.add_argument("--hostfile", metavar="FILE",
+                   help="shard the model over the hosts of an mlx.launch hostfile (JSON), "
+                        "one rank per host; others than this one through ssh")  # fmt: skip
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="keep no KV prefix cache for this model")  # fmt: skip
     p.add_argument("--pin", action="store_true",

@@ -168,6 +168,8 @@ class Client:
         context_tokens: int | None = None,
         max_concurrent: int | None = None,
         prefix_cache: bool | None = None,
+        ranks: int | None = None,
+        hostfile: str | None = None,
         on_progress: Callable[[LoadProgress], None] | None = None,
     ) -> Loaded:
         """Start a runner for ``model`` and wait until it is ready.
@@ -183,7 +185,7 @@ class Client:
 
         request = LoadRequest(
             local_model_reference(model), name, max_tokens, env or {}, restart,
-            keep_alive_s, pinned, context_tokens, max_concurrent, prefix_cache,
+            keep_alive_s, pinned, context_tokens, max_concurrent, prefix_cache, ranks, hostfile,
         )  # fmt: skip
         return self._request(request, Loaded, progress)
 
@@ -418,10 +420,11 @@ class AsyncClient:
         keep_alive_s: float | None = None,
         pinned: bool | None = None,
         context_tokens: int | None = None,
+        ranks: int | None = None,
     ) -> Loaded:
         request = LoadRequest(
             local_model_reference(model), name, max_tokens, env or {}, restart,
-            keep_alive_s, pinned, context_tokens,
+            keep_alive_s, pinned, context_tokens, ranks=ranks,
         )  # fmt: skip
         return await self._request(request, Loaded)
 

@@ -29,6 +29,7 @@ Percent = Annotated[float, Meta(gt=0, le=100)]
 KeepAliveSeconds = Annotated[float, Meta(ge=0, le=365 * 86_400)]  # 0: forever
 ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 Concurrency = Annotated[int, Meta(ge=1, le=256)]
+Ranks = Annotated[int, Meta(ge=1, le=16)]
 
 
 DEFAULT_HTTP_PORT = 11480
@@ -109,6 +110,15 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrent: Concurrency | None = None  # requests served side by side (default: daemon's)
     prefix_cache: bool | None = None  # keep a KV prefix cache (default: daemon's)
     prefix_cache_bytes: Bytes | None = None  # its budget (default: 25% of the memory budget)
+    # Shard the model over this many processes on this machine with
+    # mx.distributed (tensor parallel where the architecture has ``shard``,
+    # else pipeline); they are supervised as one unit.
+    ranks: Ranks | None = None
+    # Or over several machines: an mlx.launch hostfile (JSON: one
+    # {"ssh": HOST, "ips": [IP]} per rank); local hosts are spawned here,
+    # the others through ssh_command.
+    hostfile: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
+    distributed_backend: Literal["ring"] = "ring"
 
 
 class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -132,6 +142,13 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # stall watchdog: no progress for this long in a phase means hung; a
     # runner that answers no ping for ping_timeout_s is hung in any phase
     load_stall_s: Seconds = 300.0
+    group_join_s: Seconds = 60.0  # a rank joining its mx.distributed group (no pings answered)
+    # Ranks on other machines (a model's hostfile): how to reach them, and the
+    # first port their ring listens on (rank r: base + r), as mlx.launch does.
+    ssh_command: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(
+        default_factory=lambda: ["ssh", "-o", "BatchMode=yes"]
+    )
+    distributed_port_base: Annotated[int, Meta(ge=1024, le=65000)] = 32323
     prefill_stall_s: Seconds = 120.0
     decode_stall_s: Seconds = 30.0
     ping_timeout_s: Annotated[float, Meta(ge=0.2, le=86_400)] = 10.0

@@ -59,6 +59,7 @@ from supervisor.memory.estimate import Estimate, estimate_reference
 from supervisor.memory.monitor import MemoryMonitor, override_mb
 from supervisor.metrics import Metrics
 from supervisor.restart import RestartIntensity, RestartTracker
+from supervisor.runner_group import RunnerGroup, group_estimate, group_places, is_group
 from supervisor.runner_handle import RequestEvent, RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
 from supervisor.spare import HotSpare, spare_fits
@@ -66,6 +67,9 @@ from supervisor.system import process_rss
 from supervisor.waiting import wait_unless
 
 log = structlog.get_logger("supervisor.registry")
+
+Runner = RunnerHandle | RunnerGroup
+"""What serves a model: one runner process, or a group of ranks."""
 
 # The moves a model's state may make (see ARCHITECTURE.md's lifecycle).
 ALLOWED_MOVES: dict[RunnerState, set[RunnerState]] = {
@@ -130,7 +134,7 @@ class ModelEntry:
     spec: ModelConfig
     tracker: RestartTracker
     state: RunnerState = "starting"
-    handle: RunnerHandle | None = None
+    handle: Runner | None = None
     restarts: int = 0
     last_exit: ExitInfo | None = None
     failure: str | None = None
@@ -240,7 +244,7 @@ class ModelEntry:
         if self.active_requests == 0 and self.state == "busy":
             self.move("ready")
 
-    async def wait_ready(self) -> RunnerHandle:
+    async def wait_ready(self) -> Runner:
         """The runner once the model is ready (waiting through loads and restarts).
 
         Raises:
@@ -296,6 +300,7 @@ class ModelEntry:
             batching=engine.batching if engine is not None else None,
             batching_reason=engine.batching_reason if engine is not None else None,
             prefix_cache=engine.prefix_cache if engine is not None else None,
+            ranks=handle.rank_info() if isinstance(handle, RunnerGroup) else [],
         )
 
 
@@ -420,8 +425,13 @@ class Registry:
             if not started:
                 task_status.started(RunnerStartError(cause))
 
-    async def _obtain_runner(self, spec: ModelConfig) -> RunnerHandle:
-        """A runner for ``spec``: the hot spare if it fits, else a new process."""
+    async def _obtain_runner(self, spec: ModelConfig) -> Runner:
+        """A runner for ``spec``: a group of ranks when it is sharded; else the
+        hot spare if it fits, else a new process."""
+        if is_group(spec):
+            group = RunnerGroup(spec, self.config)
+            await group.start(self.spawn, self.task_group)
+            return group
         spare = self.spare.take(spec)
         if spare is not None:
             self.counters["spare_used"] += 1
@@ -447,15 +457,19 @@ class Registry:
         fields.pop("preload", None)
         fields.update(name=name, model=request.model, env=env)
         keys = ("max_tokens", "restart", "keep_alive_s", "pinned", "context_tokens",
-                "max_concurrent", "prefix_cache")  # fmt: skip
+                "max_concurrent", "prefix_cache", "ranks", "hostfile")  # fmt: skip
         for key in keys:
             value = getattr(request, key)
             if value is not None:
                 fields[key] = value
         try:
-            return msgspec.convert(fields, ModelConfig)
+            spec = msgspec.convert(fields, ModelConfig)
+            group_places(spec)  # a hostfile that cannot serve is refused here
         except msgspec.ValidationError as exc:
             raise RequestError("bad_request", f"bad load request: {exc}") from None
+        except ValueError as exc:
+            raise RequestError("bad_request", str(exc)) from None
+        return spec
 
     async def load(self, spec: ModelConfig, on_progress: ProgressListener | None = None) -> Loaded:
         """Start supervising ``spec`` and wait until its model is ready.
@@ -714,6 +728,9 @@ class Registry:
             except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
                 entry.log.warning("estimate_failed", error=str(exc))
             if entry.estimate is not None:
+                places = group_places(entry.spec)
+                here = sum(place.host is None for place in places)
+                entry.estimate = group_estimate(entry.estimate, len(places), here)
                 entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
 
         def spare_bytes() -> int:
@@ -811,7 +828,7 @@ class Registry:
             )
         return handle.exit_info
 
-    async def _load_model(self, entry: ModelEntry, handle: RunnerHandle) -> None:
+    async def _load_model(self, entry: ModelEntry, handle: Runner) -> None:
         spec = entry.spec
         faults = spec.env.get(FAULTS_ENV, "")
         max_tokens = spec.max_tokens or self.config.max_tokens
@@ -1025,7 +1042,7 @@ class Registry:
                 return
             raise RequestError("not_ready", self._timeout_message(entry))
         try:
-            ready: list[RunnerHandle] = []
+            ready: list[Runner] = []
 
             async def wait_ready() -> None:
                 ready.append(await entry.wait_ready())
@@ -1063,7 +1080,7 @@ class Registry:
     async def _run_request(
         self,
         entry: ModelEntry,
-        handle: RunnerHandle,
+        handle: Runner,
         request: GenerateRequest,
         emit: Emit,
         cancel: anyio.Event,
@@ -1104,7 +1121,7 @@ class Registry:
     async def _stream(
         self,
         entry: ModelEntry,
-        handle: RunnerHandle,
+        handle: Runner,
         request: GenerateRequest,
         request_id: int,
         emit: Emit,

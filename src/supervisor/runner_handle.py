@@ -12,13 +12,14 @@ import json
 import math
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import structlog
@@ -51,6 +52,9 @@ from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.state import process_create_time
 from supervisor.system import process_rss
 
+if TYPE_CHECKING:
+    from supervisor.runner_group import RunnerGroup
+
 _LEVELS = {"debug", "info", "warning", "error", "critical"}
 # Keys a relayed runner log record may not set as they are (ours, or structlog's).
 _RESERVED_KEYS = {"source", "event", "level", "timestamp", "model", "runner_pid", "exc_info",
@@ -80,6 +84,8 @@ class RequestStream:
 
     def __init__(self, handle: RunnerHandle, request_id: int) -> None:
         self.handle = handle
+        # Whose exit ends the stream: the runner's, or its group's.
+        self.owner: RunnerHandle | RunnerGroup = handle
         self.request_id = request_id
         self._in, self._out = anyio.create_memory_object_stream[tuple[RequestEvent, bytes]](
             max_buffer_size=math.inf
@@ -94,9 +100,9 @@ class RequestStream:
         try:
             return await self._out.receive()
         except anyio.EndOfStream:
-            await self.handle.exited.wait()
-            assert self.handle.exit_info is not None
-            raise RunnerGone(self.handle.exit_info) from None
+            await self.owner.exited.wait()
+            assert self.owner.exit_info is not None
+            raise RunnerGone(self.owner.exit_info) from None
 
     def next_nowait(self) -> tuple[RequestEvent, bytes] | None:
         """The next frame if one is waiting, else None."""
@@ -215,9 +221,17 @@ class RunnerHandle:
     Args:
         spec: the model this runner serves (name, model, env, caps).
         config: the daemon config (graces, frame limit, timeouts).
+        rank: its rank, when it is one of a distributed group's processes.
+        host: the machine to run it on through ssh (None: this one).
     """
 
-    def __init__(self, spec: ModelConfig, config: SupervisorConfig) -> None:
+    def __init__(
+        self,
+        spec: ModelConfig,
+        config: SupervisorConfig,
+        rank: int | None = None,
+        host: str | None = None,
+    ) -> None:
         self.spec = spec
         self.config = config
         self.process: Process | None = None
@@ -256,7 +270,12 @@ class RunnerHandle:
         self._prefilling: set[int] = set()
         self.engine_stats: EngineStats | None = None  # the runner's latest report
         self._waiters: list[EventWaiter] = []
+        self.rank = rank
+        self.host = host
+        self.runner_pid: int | None = None  # as the runner's Hello said
         self.log: Any = structlog.get_logger("supervisor.runner").bind(model=spec.name)
+        if rank is not None:
+            self.log = self.log.bind(rank=rank)
 
     @property
     def pid(self) -> int | None:
@@ -289,14 +308,18 @@ class RunnerHandle:
             "--write-fd", str(event_w),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
+        # A remote rank's pipes are its ssh session's stdin and stdout.
+        remote = self.host is not None
+        if remote:
+            argv = self._ssh_argv()
         try:
             self.process = await anyio.open_process(
                 argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
+                stdin=command_r if remote else subprocess.DEVNULL,
+                stdout=event_w if remote else subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(command_r, event_w),
-                env=env,
+                pass_fds=() if remote else (command_r, event_w),
+                env=os.environ if remote else env,
                 # Its own session: a terminal's SIGHUP or Ctrl-C to the daemon's
                 # process group never reaches runners; the daemon decides.
                 start_new_session=True,
@@ -313,18 +336,19 @@ class RunnerHandle:
         self.started_monotonic = time.monotonic()
         self.create_time = process_create_time(self.process.pid)
         self.log = self.log.bind(runner_pid=self.process.pid)
-        self.log.info("runner_spawned", argv=argv[1:3])
+        self.log.info("runner_spawned", argv=argv[1:3], host=self.host)
         self.channel = AsyncChannel(
             FdStream(event_r, command_w), Codec(RunnerEvent, self.config.max_frame_bytes)
         )
         self._event_fd = event_r
-        assert self.process.stdout is not None and self.process.stderr is not None
+        assert self.process.stderr is not None
         self._start_guarded(task_group, self._relay_output, self.process.stderr, "stderr")
-        self._start_guarded(task_group, self._relay_output, self.process.stdout, "stdout")
+        if self.process.stdout is not None:
+            self._start_guarded(task_group, self._relay_output, self.process.stdout, "stdout")
         task_group.start_soon(self._watch_exit)  # never raises: it must always report the exit
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
-                await self.channel.handshake("supervisor", "runner", __version__)
+                hello = await self.channel.handshake("supervisor", "runner", __version__)
         except (ProtocolError, ChannelClosed, TimeoutError) as exc:
             self.signal(signal.SIGKILL)
             with anyio.CancelScope(shield=True):
@@ -335,6 +359,7 @@ class RunnerHandle:
             exit_info = self.exit_info
             detail = f" ({exit_info.cause})" if exit_info is not None else ""
             raise RunnerStartError(f"runner handshake failed: {reason}{detail}") from exc
+        self.runner_pid = hello.pid  # over ssh: the remote process, not our ssh client
         self.last_alive_at = time.monotonic()
         self._start_guarded(task_group, self._pump_events)
         self._start_guarded(task_group, self._watch_stalls)
@@ -355,6 +380,21 @@ class RunnerHandle:
                 self.signal(signal.SIGKILL)
 
         task_group.start_soon(guarded, name=f"{func.__name__} {self.spec.name}")
+
+    def _ssh_argv(self) -> list[str]:
+        """``ssh HOST COMMAND`` for a rank on another machine, as ``mlx.launch``
+        runs one: the same python and working directory as here (install
+        mlx-supervisor alike on every machine). Frames travel on the session's
+        stdin and stdout (the runner's fd 3); its own stdout goes to stderr."""
+        assert self.host is not None
+        env = {**self.spec.env, "PYTHONUNBUFFERED": "1"}
+        runner = [
+            "env", *(f"{k}={v}" for k, v in sorted(env.items())),
+            sys.executable, "-m", "runner",
+            "--read-fd", "0", "--write-fd", "3", "--parent-pid", "0",
+        ]  # fmt: skip
+        command = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(runner)} 3>&1 1>&2"
+        return [*self.config.ssh_command, self.host, command]
 
     def adopt(self, spec: ModelConfig) -> None:
         """Hand this (spare) runner to the model ``spec``."""
@@ -570,6 +610,10 @@ class RunnerHandle:
         elif isinstance(event, Ready):
             self._set_phase("idle")
             self.ready.set()
+        elif isinstance(event, LoadProgress) and event.phase == "join":
+            # Joining a distributed group holds the runner's GIL: no pings
+            # are answered until it is done, and the join has its own limit.
+            self._set_phase("joining" if event.done < event.total else "loading")
         elif isinstance(event, LoadProgress | Heartbeat):
             self._note_progress()
 
@@ -606,6 +650,7 @@ class RunnerHandle:
         return {
             "starting": config.load_stall_s,
             "loading": config.load_stall_s,
+            "joining": config.group_join_s,
             "idle": math.inf,
             "prefill": config.prefill_stall_s,
             "decode": config.decode_stall_s,
@@ -649,7 +694,7 @@ class RunnerHandle:
             while not self.exited.is_set() and not self.stop_requested:
                 since = self.ping_unanswered_since
                 waited_s = time.monotonic() - since if since is not None else 0.0
-                if waited_s > timeout:
+                if waited_s > timeout and self.phase != "joining":
                     if self._events_pending():  # it did answer; our loop was busy or paused
                         await anyio.sleep(0)
                         continue
@@ -659,6 +704,8 @@ class RunnerHandle:
                     break
                 interval_s = self.config.ping_interval_s
                 next_check_s = timeout - waited_s if since is not None else interval_s
+                if self.phase == "joining":  # the stall watchdog has this phase
+                    next_check_s = interval_s
                 with anyio.move_on_after(next_check_s + 0.01):
                     await self.exited.wait()
             tg.cancel_scope.cancel()

@@ -1,0 +1,515 @@
+"""A model sharded over several runner processes with ``mx.distributed``,
+supervised as one unit.
+
+Each rank is an ordinary runner (its own :class:`RunnerHandle`: pipes,
+heartbeats, pings, stall watchdog, exit audit). The group stands where a
+single handle would for the model's entry:
+
+- **load**: every rank imports mlx, then joins the ring and loads its shard
+  with mlx-lm's ``sharded_load``. The ring's last rank connects first and its
+  ``accept`` has no timeout, so ranks 0..N-2 get their LoadModel first and
+  the last one only when the others listen. Ready when every rank is;
+- **requests** go to every rank in the same order (the entry serves one at
+  a time); rank 0's frames are the answer, the others' are dropped;
+- **death of any rank** tears the whole group down at once, and only then
+  is the group's exit reported: the restart policy applies to the group;
+  ``exit_info`` names the rank that died first and holds every rank's exit;
+- **unload** escalates every rank in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import msgspec
+import psutil
+from anyio.abc import TaskGroup
+
+from ipc.messages import (
+    Distributed,
+    EngineStats,
+    ExitInfo,
+    LoadFailed,
+    LoadModel,
+    LoadProgress,
+    MemoryFigures,
+    RankExit,
+    RankInfo,
+    Ready,
+    RunnerCommand,
+    RunnerEvent,
+)
+from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.memory.classify import classify_exit
+from supervisor.memory.estimate import Estimate
+from supervisor.runner_handle import (
+    EventWaiter,
+    RequestStream,
+    RunnerGone,
+    RunnerHandle,
+    RunnerStartError,
+)
+
+__all__ = ["Place", "RunnerGroup", "free_ports", "group_estimate", "group_places", "is_group"]
+
+LOOPBACK = "127.0.0.1"
+LISTEN_POLL_S = 0.01
+"""How often the ports of the first ranks are looked at while the last waits
+(they listen within a few ms of their LoadModel)."""
+
+Spawner = Callable[[RunnerHandle], Awaitable[None]]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on loopback now (bound to port 0 and
+    closed: the kernel's choice, so two groups do not pick the same one)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((LOOPBACK, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class HostEntry(msgspec.Struct):
+    """One line of an ``mlx.launch`` hostfile: where to ssh, which IPs the
+    ring may use there (the first is used)."""
+
+    ssh: str
+    ips: list[str] = []
+
+
+class Place(msgspec.Struct, frozen=True):
+    """Where one rank runs: ``host`` None is this machine (spawned directly),
+    else the ssh destination; ``ip`` is the address its ring listens on."""
+
+    host: str | None
+    ip: str
+
+
+def local_names() -> set[str]:
+    name = socket.gethostname()
+    return {"localhost", "127.0.0.1", "::1", name, name.split(".")[0], socket.getfqdn()}
+
+
+def group_places(spec: ModelConfig) -> list[Place]:
+    """Where each rank of ``spec`` runs: ``ranks`` on loopback, or one per
+    entry of its hostfile (accepted as a list or as ``{"hosts": [...]}``).
+
+    Raises:
+        ValueError: an unreadable hostfile, fewer than 2 ranks (the ring
+            would connect to itself), or ``ranks`` that disagrees with it.
+    """
+    if spec.hostfile is None:
+        return [Place(None, LOOPBACK) for _ in range(spec.ranks or 1)]
+    try:
+        raw = msgspec.json.decode(Path(spec.hostfile).read_bytes())
+        listed = raw["hosts"] if isinstance(raw, dict) else raw
+        entries = msgspec.convert(listed, list[HostEntry])
+    except (OSError, KeyError, TypeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"cannot read hostfile {spec.hostfile}: {exc}") from None
+    if len(entries) < 2:
+        raise ValueError(f"hostfile {spec.hostfile} lists {len(entries)} host(s); a group needs 2")
+    if spec.ranks is not None and spec.ranks != len(entries):
+        raise ValueError(f"ranks = {spec.ranks} but hostfile {spec.hostfile} lists "
+                         f"{len(entries)} hosts")  # fmt: skip
+    local = local_names()
+    places = []
+    for entry in entries:
+        here = entry.ssh in local
+        ip = entry.ips[0] if entry.ips else (LOOPBACK if here else "")
+        if not ip:
+            raise ValueError(f"hostfile {spec.hostfile}: {entry.ssh} has no ips for the ring")
+        places.append(Place(None if here else entry.ssh, ip))
+    return places
+
+
+def is_group(spec: ModelConfig) -> bool:
+    return spec.hostfile is not None or (spec.ranks or 1) > 1
+
+
+def group_estimate(estimate: Estimate, ranks: int, local: int | None = None) -> Estimate:
+    """What the ``local`` ranks (default: all) of a ``ranks``-process group
+    hold on this machine, for a model the estimate is for: the weights and
+    the KV cache are split between the ranks; each has its own activations
+    and runtime overhead. One rank holds about
+    ``(weights + kv) / ranks + activation + overhead``."""
+    local = ranks if local is None else local
+    if ranks <= 1:
+        return estimate
+    split = estimate.weights_bytes + estimate.kv_cache_bytes + estimate.vision_bytes
+    activation = estimate.activation_bytes * local
+    overhead = estimate.overhead_bytes * local
+    return msgspec.structs.replace(
+        estimate,
+        weights_bytes=estimate.weights_bytes * local // ranks,
+        kv_cache_bytes=estimate.kv_cache_bytes * local // ranks,
+        vision_bytes=estimate.vision_bytes * local // ranks,
+        activation_bytes=activation,
+        overhead_bytes=overhead,
+        total_bytes=split * local // ranks + activation + overhead,
+    )
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether process ``pid`` listens on TCP ``port``. Read from the kernel's
+    tables: connecting to probe would be taken for the peer by the ring."""
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+
+
+class RunnerGroup:
+    """The supervisor's view of one model's ranks.
+
+    Args:
+        spec: the model (``spec.ranks`` processes).
+        config: the daemon config.
+    """
+
+    def __init__(self, spec: ModelConfig, config: SupervisorConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.places = group_places(spec)
+        self.size = len(self.places)
+        self.ranks = [
+            RunnerHandle(spec, config, rank=r, host=place.host)
+            for r, place in enumerate(self.places)
+        ]
+        self.exited = anyio.Event()
+        self.exit_info: ExitInfo | None = None
+        self.first_dead: int | None = None
+        self.stop_requested = False
+        self._readies: dict[int, Ready] = {}
+        self._load_failed = False
+        self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
+            max_buffer_size=math.inf
+        )
+
+    # --- what the model's entry reads, as of a single runner ------------------
+
+    @property
+    def lead(self) -> RunnerHandle:
+        """Rank 0: it answers requests."""
+        return self.ranks[0]
+
+    @property
+    def log(self) -> Any:
+        return self.lead.log.bind(ranks=self.size)
+
+    @property
+    def pid(self) -> int | None:
+        return self.lead.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.is_set() and all(h.alive for h in self.ranks)
+
+    @property
+    def started_at(self) -> float | None:
+        return self.lead.started_at
+
+    @property
+    def started_monotonic(self) -> float:
+        return self.lead.started_monotonic
+
+    @property
+    def create_time(self) -> float | None:
+        return self.lead.create_time
+
+    @property
+    def memory(self) -> MemoryFigures:
+        """Every rank's MLX memory added up (the peak: the highest rank's)."""
+        figures = [h.memory for h in self.ranks]
+        return MemoryFigures(
+            active_bytes=sum(f.active_bytes for f in figures),
+            cache_bytes=sum(f.cache_bytes for f in figures),
+            peak_bytes=max(f.peak_bytes for f in figures),
+        )
+
+    @property
+    def engine_stats(self) -> EngineStats | None:
+        return self.lead.engine_stats
+
+    @property
+    def kill_cause(self) -> str | None:
+        return next((h.kill_cause for h in self.ranks if h.kill_cause), None)
+
+    @property
+    def footprint_bytes(self) -> int:
+        return sum(h.footprint_bytes for h in self.ranks)
+
+    @property
+    def rss_bytes(self) -> int | None:
+        sizes = [h.rss_bytes for h in self.ranks if h.rss_bytes is not None]
+        return sum(sizes) if sizes else None
+
+    def measure_rss(self) -> int | None:
+        for handle in self.ranks:
+            handle.measure_rss()
+        return self.rss_bytes
+
+    def rank_info(self) -> list[RankInfo]:
+        """One line per rank for ``status``."""
+        lines = []
+        for rank, handle in enumerate(self.ranks):
+            alive = handle.alive
+            state = (
+                "exited"
+                if handle.exited.is_set()
+                else {"idle": "ready"}.get(handle.phase, handle.phase)
+            )
+            lines.append(
+                RankInfo(
+                    rank=rank,
+                    pid=(handle.pid if handle.host is None else handle.runner_pid)
+                    if alive
+                    else None,
+                    host=handle.host or self.places[rank].ip,
+                    state=state,
+                    rss_bytes=handle.measure_rss() if alive else None,
+                    mlx_active_bytes=handle.memory.active_bytes if alive else None,
+                    mlx_peak_bytes=handle.memory.peak_bytes if alive else None,
+                )
+            )
+        return lines
+
+    # --- start ---------------------------------------------------------------
+
+    async def start(self, spawn: Spawner, task_group: TaskGroup) -> None:
+        """Spawn every rank (at once), then watch them as one.
+
+        Raises:
+            RunnerStartError: a rank could not start; the others are reaped.
+        """
+        failures: list[str] = []
+
+        async def spawn_rank(rank: int, handle: RunnerHandle) -> None:
+            try:
+                await spawn(handle)
+            except RunnerStartError as exc:
+                failures.append(f"rank {rank}: {exc}")
+
+        async with anyio.create_task_group() as tg:
+            for rank, handle in enumerate(self.ranks):
+                tg.start_soon(spawn_rank, rank, handle)
+        if failures:
+            with anyio.CancelScope(shield=True):
+                await self._escalate_all("a rank failed to start", first="sigkill")
+            self._events_in.close()
+            raise RunnerStartError("; ".join(sorted(failures)))
+        for rank, handle in enumerate(self.ranks):
+            task_group.start_soon(self._gather, rank, handle, name=f"rank {rank} {self.spec.name}")
+        task_group.start_soon(self._watch, name=f"group {self.spec.name}")
+
+    # --- talking -------------------------------------------------------------
+
+    async def send(self, command: RunnerCommand) -> None:
+        """Send ``command`` to every rank, rank 0 first (a LoadModel: each
+        rank its own, in the order the ring forms).
+
+        Raises:
+            RunnerGone: the group is gone (or going): its exit says how.
+        """
+        try:
+            if isinstance(command, LoadModel):
+                await self._load(command)
+            else:
+                for handle in self.ranks:
+                    await handle.send(command)
+        except RunnerGone:
+            await self.exited.wait()
+            assert self.exit_info is not None
+            raise RunnerGone(self.exit_info) from None
+
+    async def _load(self, command: LoadModel) -> None:
+        # Ports here are the kernel's free ones; on another machine, base + rank.
+        free = iter(free_ports(self.size))
+        base = self.config.distributed_port_base
+        ports = [next(free) if p.host is None else base + r for r, p in enumerate(self.places)]
+        hosts = [f"{place.ip}:{port}" for place, port in zip(self.places, ports, strict=True)]
+        plan = command.memory
+        if plan is not None and plan.budget_bytes is not None:  # each rank holds a share
+            plan = msgspec.structs.replace(plan, budget_bytes=plan.budget_bytes // self.size)
+        for handle in self.ranks:  # init holds the GIL: no pings answered while it blocks
+            await handle.warm.wait()
+        self.log.info("group_forming", hosts=hosts)
+        for rank, handle in enumerate(self.ranks):
+            if rank == self.size - 1:  # (the local ones: a remote rank retries its connect)
+                await self._wait_listening(ports[:-1])
+            distributed = Distributed(rank, hosts)
+            await handle.send(msgspec.structs.replace(command, memory=plan,
+                                                      distributed=distributed))  # fmt: skip
+
+    async def _wait_listening(self, ports: list[int]) -> None:
+        """Until ranks 0..N-2 listen on their ports (or one of them is gone:
+        the load then fails by the group's exit)."""
+        deadline = time.monotonic() + self.config.load_stall_s
+        while not self.exited.is_set() and time.monotonic() < deadline:
+            waiting = zip(self.ranks[: len(ports)], ports, strict=True)
+            local = [(h, port) for h, port in waiting if h.host is None]
+            if all(h.pid is not None and listening(h.pid, port) for h, port in local):
+                return
+            await anyio.sleep(LISTEN_POLL_S)
+
+    async def _gather(self, rank: int, handle: RunnerHandle) -> None:
+        """Pass one rank's load events on: progress as it comes, Ready once
+        every rank is ready, the first LoadFailed."""
+        while True:
+            try:
+                event = await handle.next_event()
+            except RunnerGone:
+                return
+            if isinstance(event, Ready):
+                self._readies[rank] = event
+                if len(self._readies) == self.size:
+                    self._events_in.send_nowait(self._merged_ready())
+            elif isinstance(event, LoadFailed):
+                if not self._load_failed:
+                    self._load_failed = True
+                    self._events_in.send_nowait(LoadFailed(f"rank {rank}: {event.error}"))
+            elif isinstance(event, LoadProgress) or rank == 0:
+                self._events_in.send_nowait(event)
+
+    def _merged_ready(self) -> Ready:
+        readies = [self._readies[r] for r in range(self.size)]
+        lead = readies[0]
+        return msgspec.structs.replace(
+            lead,
+            param_bytes=sum(r.param_bytes for r in readies),
+            active_bytes=sum(r.active_bytes for r in readies),
+            peak_bytes=max(r.peak_bytes for r in readies),
+            load_s=max(r.load_s for r in readies),
+        )
+
+    async def next_event(self) -> RunnerEvent:
+        """The group's next load event (see :meth:`_gather`).
+
+        Raises:
+            RunnerGone: the group is gone.
+        """
+        try:
+            return await self._events_out.receive()
+        except anyio.EndOfStream:
+            await self.exited.wait()
+            assert self.exit_info is not None
+            raise RunnerGone(self.exit_info) from None
+
+    def open_request(self, request_id: int) -> RequestStream:
+        """Rank 0's frames of ``request_id``; when it ends, the group's exit."""
+        stream = self.lead.open_request(request_id)
+        stream.owner = self
+        return stream
+
+    def close_request(self, request_id: int, *, end: bool = True) -> None:
+        self.lead.close_request(request_id, end=end)
+
+    def expect(self, kind: type[Any]) -> EventWaiter:
+        return self.lead.expect(kind)
+
+    # --- failure and stopping ------------------------------------------------
+
+    async def _watch(self) -> None:
+        """On the first rank's death, tear the others down at once; when
+        every rank is reaped, the group has exited."""
+        try:
+            first = await self._first_exit()
+            self.first_dead = first
+            if not self.stop_requested:
+                dead = self.ranks[first].exit_info
+                self.log.warning("group_rank_died", rank=first,
+                                 cause=dead.cause if dead else None)  # fmt: skip
+                # A Shutdown first: a rank inside a collective sees its peer
+                # gone within milliseconds and says so in its exit audit; an
+                # idle one exits at once. The ladder goes on for one that hangs.
+                await self._escalate_all(f"rank {first} of the group died", first="shutdown")
+            for handle in self.ranks:
+                await handle.exited.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for handle in self.ranks:  # cancelled (the daemon stops): never leave one
+                    if not handle.exited.is_set():
+                        await handle.escalate("group watcher stopped", first="sigkill")
+            self.exit_info = self._describe_exit()
+            self._events_in.close()
+            self.log.info("group_exited", first_dead=self.first_dead,
+                          cause=self.exit_info.cause)  # fmt: skip
+            self.exited.set()
+
+    async def _first_exit(self) -> int:
+        first: list[int] = []
+        async with anyio.create_task_group() as tg:
+
+            async def wait(rank: int, handle: RunnerHandle) -> None:
+                await handle.exited.wait()
+                first.append(rank)
+                tg.cancel_scope.cancel()
+
+            for rank, handle in enumerate(self.ranks):
+                tg.start_soon(wait, rank, handle)
+        return first[0]
+
+    def _describe_exit(self) -> ExitInfo:
+        """The first dead rank's exit, named, with every rank's exit (each
+        classified: a rank that saw its peer go is ``peer_lost``)."""
+        first = self.first_dead if self.first_dead is not None else 0
+        exits = []
+        for rank, handle in enumerate(self.ranks):
+            info = handle.exit_info or ExitInfo(None, None, "never started")
+            torn_down = rank != first or self.stop_requested
+            cause_class = classify_exit(info, requested=False, under_pressure=False)
+            if cause_class == "unknown" and torn_down:
+                cause_class = "requested"
+            exits.append(RankExit(rank, info.code, info.signal, info.cause, cause_class))
+        lead = self.ranks[first].exit_info or ExitInfo(None, None, "never started")
+        return msgspec.structs.replace(
+            lead, cause=f"rank {first}: {lead.cause}", rank=first, ranks=exits
+        )
+
+    def signal(self, signum: Any) -> None:
+        for handle in self.ranks:
+            handle.signal(signum)
+
+    async def _escalate_all(
+        self,
+        reason: str,
+        *,
+        first: Literal["shutdown", "sigterm", "sigkill"],
+        term_grace_s: float | None = None,
+    ) -> list[str]:
+        steps: list[list[str]] = [[] for _ in self.ranks]
+
+        async def one(rank: int, handle: RunnerHandle) -> None:
+            if handle.process is None:
+                return
+            steps[rank] = await handle.escalate(reason, first=first, term_grace_s=term_grace_s)
+
+        async with anyio.create_task_group() as tg:
+            for rank, handle in enumerate(self.ranks):
+                tg.start_soon(one, rank, handle)
+        return max(steps, key=len)
+
+    async def escalate(
+        self,
+        reason: str,
+        *,
+        first: Literal["shutdown", "sigterm", "sigkill"] = "shutdown",
+        term_grace_s: float | None = None,
+    ) -> list[str]:
+        """The kill ladder on every rank at once; returns the longest ladder
+        any rank needed, once the whole group is reaped."""
+        if first == "shutdown":
+            self.stop_requested = True
+        steps = await self._escalate_all(reason, first=first, term_grace_s=term_grace_s)
+        await self.exited.wait()
+        return steps

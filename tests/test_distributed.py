@@ -1,0 +1,265 @@
+"""A model sharded over two rank processes with mx.distributed (ring over
+loopback), supervised as one unit: load, output, status, and every way a
+rank can die."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import psutil
+import pytest
+
+from conftest import DaemonFactory, assert_reaped, wait_exited
+from ipc.messages import RunnerInfo
+from supervisor.client import Client, ClientError
+from supervisor.config import ModelConfig
+from supervisor.memory.estimate import Estimate
+from supervisor.runner_group import Place, free_ports, group_estimate, group_places
+
+PROMPT = "Once upon a time"
+# No hot spare: a group does not use it, and every runner importing mlx costs CPU.
+FAST = "hot_spare = false\nrestart_backoff_s = 0.1\nrestart_backoff_cap_s = 0.4\n"
+LONG = 100_000  # tokens: a stream that is still going when a rank is killed
+
+
+def runner(client: Client, name: str) -> RunnerInfo:
+    return next(r for r in client.status().runners if r.name == name)
+
+
+def rank_pids(client: Client, name: str) -> list[int]:
+    pids = [rank.pid for rank in runner(client, name).ranks]
+    assert all(pid is not None for pid in pids)
+    return [pid for pid in pids if pid is not None]
+
+
+def serving_again(client: Client, name: str, old: list[int]) -> bool:
+    info = runner(client, name)
+    pids = [rank.pid for rank in info.ranks]
+    return info.state == "ready" and None not in pids and not set(pids) & set(old)
+
+
+def ring_dirs() -> set[str]:
+    """The ring host files' directories (the ranks write them) in the temp dir now."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob("mlx-supervisor-ring-*")}
+
+
+FAKE_SSH = """#!/bin/sh
+# ssh [options] HOST COMMAND, for the tests: COMMAND runs here, as on HOST.
+while [ "$#" -gt 2 ]; do shift; done
+exec /bin/sh -c "$2"
+"""
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-qwen3"])
+def test_two_ranks_answer_as_one_process_does(start_daemon: DaemonFactory, model: str) -> None:
+    client = Client(start_daemon(FAST).socket_path)
+    client.load(model, "single")
+    loaded = client.load(model, "pair", ranks=2)
+    info = runner(client, "pair")
+    assert info.state == "ready" and len(info.ranks) == 2
+    assert [r.rank for r in info.ranks] == [0, 1]
+    assert all(r.state == "ready" and r.host == "127.0.0.1" for r in info.ranks)
+    pids = rank_pids(client, "pair")
+    assert len(set(pids)) == 2 and info.pid == pids[0] == loaded.pid
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    assert all(r.mlx_active_bytes for r in info.ranks), "each rank holds its shard"
+    assert info.batching is False and info.batching_reason is not None
+    assert "distributed" in info.batching_reason
+    for prompt in (PROMPT, "The capital of France is"):
+        single, single_done = client.generate_text("single", prompt, max_tokens=24)
+        pair, pair_done = client.generate_text("pair", prompt, max_tokens=24)
+        assert pair == single  # greedy, fp32: the same tokens
+        assert pair_done.generation_tokens == single_done.generation_tokens == 24
+    # A chat turn, and a stop string (the ranks stop at the same token).
+    chat = [{"role": "user", "content": "Say something."}]
+    single, _ = client.generate_text("single", None, messages=chat, max_tokens=12)
+    pair, _ = client.generate_text("pair", None, messages=chat, max_tokens=12)
+    assert pair == single
+    stop = single[len(single) // 2 : len(single) // 2 + 2]
+    pair, done = client.generate_text("pair", None, messages=chat, max_tokens=12, stop=[stop])
+    assert done.finish_reason == "stop" and pair == single[: single.index(stop)]
+    _, done = client.generate_text("pair", PROMPT, max_tokens=4)  # the ranks still agree
+    assert done.generation_tokens == 4
+
+
+def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon(FAST)
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "pair", ranks=2)
+    old = rank_pids(client, "pair")
+    with (
+        client.generate("pair", PROMPT, max_tokens=LONG) as gen,
+        pytest.raises(ClientError) as excinfo,
+    ):
+        for piece in gen:
+            if piece:
+                os.kill(old[1], signal.SIGKILL)
+    assert excinfo.value.code == "runner_died"
+    assert "rank 1" in excinfo.value.message and "SIGKILL" in excinfo.value.message
+    assert wait_exited(old, timeout_s=10) == []
+    daemon.wait_until(lambda: serving_again(client, "pair", old))
+    info = runner(client, "pair")
+    assert info.restarts == 1
+    exit_info = info.last_exit
+    assert exit_info is not None and exit_info.rank == 1 and exit_info.signal == "SIGKILL"
+    assert [r.rank for r in exit_info.ranks] == [0, 1]
+    survivor = exit_info.ranks[0]
+    # Rank 0 was inside a collective: it saw its peer go.
+    assert survivor.cause_class == "peer_lost", survivor
+    for pid in old:
+        assert_reaped(pid)
+    text, done = client.generate_text("pair", PROMPT, max_tokens=8)
+    assert done.generation_tokens == 8 and text
+
+
+def test_a_frozen_rank_is_killed_by_the_watchdog_and_the_group_restarted(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon(FAST + "ping_timeout_s = 1.0\nstall_kill_grace_s = 0.3\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "pair", ranks=2)
+    old = rank_pids(client, "pair")
+    started = time.monotonic()
+    with (
+        client.generate("pair", PROMPT, max_tokens=LONG) as gen,
+        pytest.raises(ClientError) as excinfo,
+    ):
+        for piece in gen:
+            if piece:
+                # Rank 0 now blocks in its next collective: nothing there times out.
+                os.kill(old[1], signal.SIGSTOP)
+    assert excinfo.value.code == "runner_died"
+    assert "rank 1" in excinfo.value.message and "no answer to pings" in excinfo.value.message
+    assert time.monotonic() - started < 30, "the watchdog, not a collective, decided"
+    assert wait_exited(old, timeout_s=10) == []
+    daemon.wait_until(lambda: serving_again(client, "pair", old))
+    (stall,) = daemon.events("runner_stalled")
+    assert stall["rank"] == 1
+    _, done = client.generate_text("pair", PROMPT, max_tokens=4)
+    assert done.generation_tokens == 4
+
+
+def test_unload_reaps_every_rank_and_leaves_no_hostfile(start_daemon: DaemonFactory) -> None:
+    client = Client(start_daemon(FAST).socket_path)
+    before = ring_dirs()
+    client.load("builtin:tiny", "pair", ranks=2)
+    pids = rank_pids(client, "pair")
+    client.unload("pair")
+    for pid in pids:
+        assert_reaped(pid)
+    assert ring_dirs() == before
+
+
+def test_every_rank_dies_with_the_daemon(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon(FAST)
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "pair", ranks=2)
+    pids = rank_pids(client, "pair")
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.wait()
+    # The parent-death signal: gone without anyone reaping them first.
+    assert wait_exited(pids, timeout_s=5) == []
+
+
+def test_a_model_that_cannot_split_that_way_fails_to_load_and_the_daemon_goes_on(
+    start_daemon: DaemonFactory,
+) -> None:
+    client = Client(start_daemon(FAST).socket_path)
+    # builtin:tiny has 4 attention heads: 3 ranks cannot split them.
+    with pytest.raises(ClientError) as excinfo:
+        client.load("builtin:tiny", "triple", ranks=3)
+    assert excinfo.value.code == "load_failed"
+    assert "divide by 3" in excinfo.value.message
+    assert client.status().runners == []
+    client.load("builtin:tiny")
+    _, done = client.generate_text("tiny", PROMPT, max_tokens=2)
+    assert done.generation_tokens == 2
+
+
+def test_a_group_is_estimated_as_its_ranks_hold_it() -> None:
+    one = Estimate(
+        weights_bytes=1000,
+        kv_cache_bytes=200,
+        activation_bytes=50,
+        overhead_bytes=300,
+        vision_bytes=0,
+        total_bytes=1550,
+        context_tokens=4096,
+        vision=False,
+        weights_source="safetensors",
+        path=None,
+    )
+    assert group_estimate(one, 1) == one
+    two = group_estimate(one, 2)
+    # Weights and KV split between the ranks; activations and runtime per rank.
+    assert two.total_bytes == 1000 + 200 + 2 * 50 + 2 * 300
+    assert msgspec.structs.replace(two, activation_bytes=50, overhead_bytes=300,
+                                   total_bytes=1550) == one  # fmt: skip
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and all(1024 <= p < 65536 for p in ports)
+
+
+def test_a_rank_on_another_host_runs_through_ssh_and_answers_as_one_process_does(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    ssh = tmp_path / "fake-ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts.json"
+    hosts = [
+        {"ssh": "localhost", "ips": ["127.0.0.1"]},
+        {"ssh": "node-b.test", "ips": ["127.0.0.1"]},
+    ]
+    hostfile.write_text(json.dumps({"hosts": hosts}))
+    base = free_ports(1)[0] - 1  # rank 1 listens on base + 1 "there"
+    daemon = start_daemon(FAST + f"ssh_command = [{str(ssh)!r}]\ndistributed_port_base = {base}\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "single")
+    client.load("builtin:tiny", "pair", hostfile=str(hostfile))
+    info = runner(client, "pair")
+    assert [(r.rank, r.host, r.state) for r in info.ranks] == [
+        (0, "127.0.0.1", "ready"),
+        (1, "node-b.test", "ready"),
+    ]
+    (spawned,) = [e for e in daemon.events("runner_spawned") if e.get("host") == "node-b.test"]
+    assert spawned["argv"][0] == "node-b.test"  # ssh's destination, then the remote command
+    single, _ = client.generate_text("single", PROMPT, max_tokens=16)
+    pair, _ = client.generate_text("pair", PROMPT, max_tokens=16)
+    assert pair == single
+    pids = [pid for r in info.ranks if (pid := r.pid) is not None]
+    client.unload("pair")
+    assert wait_exited(pids, timeout_s=10) == []
+
+
+def test_a_hostfile_that_cannot_serve_is_refused_at_load(tmp_path: Path) -> None:
+    def places(hosts: object, ranks: int | None = None) -> list[Place]:
+        path = tmp_path / "hosts.json"
+        path.write_text(json.dumps(hosts))
+        spec = ModelConfig(name="m", model="builtin:tiny", hostfile=str(path), ranks=ranks)
+        return group_places(spec)
+
+    here = {"ssh": "localhost", "ips": ["127.0.0.1"]}
+    there = {"ssh": "mac-2.local", "ips": ["10.0.0.2"]}
+    assert places([here, there]) == [Place(None, "127.0.0.1"), Place("mac-2.local", "10.0.0.2")]
+    assert places({"hosts": [here, there]}, ranks=2)[1].host == "mac-2.local"
+    with pytest.raises(ValueError, match="a group needs 2"):
+        places([here])
+    with pytest.raises(ValueError, match="ranks = 3"):
+        places([here, there], ranks=3)
+    with pytest.raises(ValueError, match="no ips"):
+        places([here, {"ssh": "mac-3.local"}])
+    with pytest.raises(ValueError, match="cannot read hostfile"):
+        places([{"host": "x"}])
+    with pytest.raises(ValueError, match="cannot read hostfile"):
+        group_places(ModelConfig(name="m", model="x", hostfile=str(tmp_path / "none.json")))
