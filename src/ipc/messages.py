@@ -43,6 +43,9 @@ CauseClass = Literal[
 """What kind of death a runner's exit was; memory classes go through
 admission before any restart."""
 MEMORY_CAUSES: frozenset[str] = frozenset({"metal_oom", "cuda_oom", "memory_guard", "oom_killed"})
+GROUP_STEP_FAILED = "step failed"
+"""How a rank's exit cause starts when a step raised (not a lost peer): the
+request that ran it ended the group, and is not retried."""
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -459,13 +462,17 @@ class Distributed(msgspec.Struct, frozen=True):
     """This runner is rank ``rank`` of an ``mx.distributed`` group.
 
     ``hosts`` holds the address every rank listens on (``"ip:port"``, in
-    rank order); the runner writes the backend's host file from it on its
-    own machine.
+    rank order). ``hostfile`` is the backend's host file the supervisor
+    wrote for a rank on its own machine; a remote rank writes its own from
+    ``hosts``. Joining takes at most ``join_timeout_s`` (the backend has no
+    timeout of its own).
     """
 
     rank: int
     hosts: list[str]
     backend: Literal["ring"] = "ring"
+    hostfile: str | None = None
+    join_timeout_s: float = 60.0
 
     @property
     def size(self) -> int:

@@ -16,6 +16,8 @@ runner exits and the supervisor restarts the group as a whole.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 import tempfile
@@ -77,12 +79,23 @@ def join(spec: Distributed) -> Group:
         RuntimeError: the backend could not form the group.
     """
     log.info("distributed_joining", rank=spec.rank, size=spec.size, backend=spec.backend)
-    with tempfile.TemporaryDirectory(prefix="mlx-supervisor-ring-") as directory:
-        hostfile = Path(directory) / "hosts.json"  # read by init, not after
-        hostfile.write_text(json.dumps([[host] for host in spec.hosts]), encoding="utf-8")
+    with contextlib.ExitStack() as stack:
+        hostfile = spec.hostfile
+        if hostfile is None:  # on another machine than the supervisor: our own, read by init
+            directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-ring-"))
+            path = Path(directory) / "hosts.json"
+            path.write_text(json.dumps([[host] for host in spec.hosts]), encoding="utf-8")
+            hostfile = str(path)
         os.environ["MLX_RANK"] = str(spec.rank)
-        os.environ["MLX_HOSTFILE"] = str(hostfile)
-        group = mx.distributed.init(strict=True, backend=spec.backend)
+        os.environ["MLX_HOSTFILE"] = hostfile
+        # init holds the GIL and never gives up waiting for a peer: a C thread
+        # ends the process if it takes too long (the supervisor also would,
+        # but not a remote rank's once its ssh session is gone).
+        faulthandler.dump_traceback_later(spec.join_timeout_s, exit=True)
+        try:
+            group = mx.distributed.init(strict=True, backend=spec.backend)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     if group.size() != spec.size or group.rank() != spec.rank:
         raise RuntimeError(
             f"joined as rank {group.rank()} of {group.size()}, expected {spec.rank} of {spec.size}"

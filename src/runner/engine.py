@@ -96,9 +96,10 @@ def batchability(model: Any) -> tuple[bool, str | None]:
 
 
 class _StoppedInPrefill(Exception):
-    """Raised from the prefill callback to leave mlx-lm's generator."""
+    """Raised from the prefill callback to leave mlx-lm's generator: for
+    memory (``detail`` says why), or cancelled (``detail`` None)."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str | None) -> None:
         super().__init__(detail)
         self.detail = detail
 
@@ -331,8 +332,8 @@ class Engine:
     def _start_pending(self) -> None:
         """Start the waiting requests that can start, in arrival order; one
         that fails to start fails alone. Cancelled ones end wherever they are
-        in line."""
-        if any(self.is_cancelled(j.request_id) for j in self.pending):
+        in line (in a group, where every rank agrees: at the prefill's start)."""
+        if self.group is None and any(self.is_cancelled(j.request_id) for j in self.pending):
             for job in [j for j in self.pending if self.is_cancelled(j.request_id)]:
                 self.pending.remove(job)
                 self._finish(job, "cancelled")
@@ -342,6 +343,8 @@ class Engine:
                 if not self._start_next(job):
                     return
             except Exception as exc:
+                if self.group is not None:  # the ranks may part here: the group ends
+                    raise
                 log.exception("request_start_failed", request_id=job.request_id)
                 if self.pending and self.pending[0] is job:
                     self.pending.popleft()
@@ -354,7 +357,7 @@ class Engine:
     def _start_next(self, job: Job) -> bool:
         """Start ``job`` (the first in line) if it can start now; False if it
         must wait (for room in the batch, or for the batch to drain)."""
-        if self.is_cancelled(job.request_id):
+        if self.group is None and self.is_cancelled(job.request_id):
             self.pending.popleft()
             self._finish(job, "cancelled")
             return True
@@ -391,10 +394,13 @@ class Engine:
 
         def prefill_progress(processed: int, total: int) -> None:
             stop = job.guard.check(f"in prefill ({processed}/{total} prompt tokens)")
-            if self.group is not None:  # at the same chunk on every rank
-                (elsewhere,) = self.group.agree(stop is not None)
+            if self.group is not None:  # at the same chunk on every rank (the first: 0)
+                cancelled = self.is_cancelled(job.request_id)
+                elsewhere, cancelled = self.group.agree(stop is not None, cancelled)
                 if elsewhere and stop is None:
                     stop = "memory pressure on another rank of the group"
+                if cancelled and stop is None:
+                    raise _StoppedInPrefill(None)
             if stop is not None:
                 raise _StoppedInPrefill(stop)
             self._progress += 1
@@ -504,7 +510,7 @@ class Engine:
         except _StoppedInPrefill as stopped:
             self.solo = None
             job.detail = stopped.detail
-            self._finish(job, "memory_pressure")
+            self._finish(job, "cancelled" if stopped.detail is None else "memory_pressure")
             return
         except StopIteration:  # max_tokens reached (we stop before it does)
             self.solo = None

@@ -25,6 +25,7 @@ import structlog
 
 from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
+    GROUP_STEP_FAILED,
     CacheCleared,
     Cancel,
     CauseClass,
@@ -219,7 +220,7 @@ class Runner:
                 log.error("group_broken", error=str(exc), peer_lost=lost)
                 raise RunnerExit(
                     EXIT_GROUP_BROKEN,
-                    f"{'peer lost' if lost else 'step failed'}: {type(exc).__name__}: {exc}",
+                    f"{'peer lost' if lost else GROUP_STEP_FAILED}: {type(exc).__name__}: {exc}",
                     "peer_lost" if lost else None,
                 ) from exc
             log.exception("engine_step_failed")

@@ -401,6 +401,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if estimate is None:
         print(f"error: {args.model} is not on this machine (nothing to measure)", file=sys.stderr)
         return EXIT_FAILED
+    if args.ranks > 1:  # what one rank of a group holds
+        from supervisor.runner_group import group_estimate
+
+        estimate = group_estimate(estimate, args.ranks, local=1)
     if args.json:
         print(json.dumps(estimate_json(estimate)))
     else:
@@ -488,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="how much memory a model needs (no daemon needed)")
     p.add_argument("model", help="Hugging Face repo id, local directory or builtin:tiny")
     p.add_argument("--context", type=int, metavar="TOKENS", help="context tokens to plan for")
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="what one rank holds when the model is sharded over N")  # fmt: skip
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", parents=[socket_parent], help="stream a generation")

@@ -30,6 +30,7 @@ KeepAliveSeconds = Annotated[float, Meta(ge=0, le=365 * 86_400)]  # 0: forever
 ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 Concurrency = Annotated[int, Meta(ge=1, le=256)]
 Ranks = Annotated[int, Meta(ge=1, le=16)]
+NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
 DEFAULT_HTTP_PORT = 11480
@@ -145,8 +146,8 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     group_join_s: Seconds = 60.0  # a rank joining its mx.distributed group (no pings answered)
     # Ranks on other machines (a model's hostfile): how to reach them, and the
     # first port their ring listens on (rank r: base + r), as mlx.launch does.
-    ssh_command: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(
-        default_factory=lambda: ["ssh", "-o", "BatchMode=yes"]
+    ssh_command: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] = (
+        msgspec.field(default_factory=lambda: ["ssh", "-o", "BatchMode=yes"])
     )
     distributed_port_base: Annotated[int, Meta(ge=1024, le=65000)] = 32323
     prefill_stall_s: Seconds = 120.0
@@ -234,10 +235,16 @@ def load_config(path: Path | None) -> SupervisorConfig:
         config = msgspec.toml.decode(data, type=SupervisorConfig)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"invalid config {path}: {exc}") from exc
+    from supervisor.runner_group import group_places  # (it needs this module)
+
     for model in config.models:
         problem = model_name_problem(model.name) or env_problem(model.env)
         if problem:
             raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {problem}")
+        try:
+            group_places(model)
+        except ValueError as exc:
+            raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {exc}") from None
     names = [m.name for m in config.models]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

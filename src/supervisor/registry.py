@@ -28,6 +28,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from ipc import ChannelClosed
 from ipc.messages import (
     FAULTS_ENV,
+    GROUP_STEP_FAILED,
     MEMORY_CAUSES,
     CacheCleared,
     ClearCache,
@@ -59,7 +60,7 @@ from supervisor.memory.estimate import Estimate, estimate_reference
 from supervisor.memory.monitor import MemoryMonitor, override_mb
 from supervisor.metrics import Metrics
 from supervisor.restart import RestartIntensity, RestartTracker
-from supervisor.runner_group import RunnerGroup, group_estimate, group_places, is_group
+from supervisor.runner_group import Place, RunnerGroup, group_estimate, group_places, is_group
 from supervisor.runner_handle import RequestEvent, RunnerGone, RunnerHandle, RunnerStartError
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
 from supervisor.spare import HotSpare, spare_fits
@@ -272,6 +273,9 @@ class ModelEntry:
     def info(self) -> RunnerInfo:
         handle = self.handle
         pid = handle.pid if handle is not None and handle.alive else None
+        rss = process_rss(pid) if pid is not None else None
+        if isinstance(handle, RunnerGroup) and pid is not None:
+            rss = handle.measure_rss()  # every local rank
         memory = handle.memory if pid is not None and handle is not None else None
         engine = handle.engine_stats if pid is not None and handle is not None else None
         return RunnerInfo(
@@ -279,7 +283,7 @@ class ModelEntry:
             model=self.spec.model,
             pid=pid,
             state=self.state,
-            rss_bytes=process_rss(pid) if pid is not None else None,
+            rss_bytes=rss,
             started_at=handle.started_at if handle is not None else None,
             restarts=self.restarts,
             last_exit=self.last_exit,
@@ -429,7 +433,10 @@ class Registry:
         """A runner for ``spec``: a group of ranks when it is sharded; else the
         hot spare if it fits, else a new process."""
         if is_group(spec):
-            group = RunnerGroup(spec, self.config)
+            try:
+                group = RunnerGroup(spec, self.config)
+            except ValueError as exc:  # its hostfile changed since it was checked
+                raise RunnerStartError(str(exc)) from None
             await group.start(self.spawn, self.task_group)
             return group
         spare = self.spare.take(spec)
@@ -728,7 +735,10 @@ class Registry:
             except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
                 entry.log.warning("estimate_failed", error=str(exc))
             if entry.estimate is not None:
-                places = group_places(entry.spec)
+                try:
+                    places = group_places(entry.spec)
+                except ValueError:  # the runner's start says so
+                    places = [Place(None, "")]
                 here = sum(place.host is None for place in places)
                 entry.estimate = group_estimate(entry.estimate, len(places), here)
                 entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
@@ -737,7 +747,8 @@ class Registry:
             spare = self.spare.current
             if spare is None or not spare.alive or not spare.warm.is_set():
                 return 0
-            return (spare.measure_rss() or 0) if spare_fits(entry.spec) else 0
+            takes_spare = spare_fits(entry.spec) and not is_group(entry.spec)
+            return (spare.measure_rss() or 0) if takes_spare else 0
 
         def grant(plan: MemoryPlan) -> None:  # under the admission lock
             entry.plan = plan
@@ -986,6 +997,9 @@ class Registry:
                     and self.config.retry_unstarted
                     and not streamed[0]
                     and not cancel.is_set()
+                    # A group's step that raised ended the group: the same
+                    # request would end it again (and spend its restarts).
+                    and GROUP_STEP_FAILED not in gone.exit.cause
                 )
                 if not can_retry:
                     self.counters["requests_failed_runner_died"] += 1

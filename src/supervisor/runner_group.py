@@ -19,8 +19,13 @@ single handle would for the model's entry:
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import shutil
+import signal
 import socket
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -55,10 +60,15 @@ from supervisor.runner_handle import (
     RunnerHandle,
     RunnerStartError,
 )
+from supervisor.waiting import first_of
 
 __all__ = ["Place", "RunnerGroup", "free_ports", "group_estimate", "group_places", "is_group"]
 
 LOOPBACK = "127.0.0.1"
+SSH_DESTINATION = re.compile(r"[A-Za-z0-9_.:\[\]%][A-Za-z0-9_.:\[\]%@-]*")
+"""A host (``user@host``, an IP): no leading ``-``, no space or shell character."""
+_REMOTE_PORTS_IN_USE: set[int] = set()
+"""Ports the daemon's live groups hold on other machines (base + offset + rank)."""
 LISTEN_POLL_S = 0.01
 """How often the ports of the first ranks are looked at while the last waits
 (they listen within a few ms of their LoadModel)."""
@@ -122,10 +132,14 @@ def group_places(spec: ModelConfig) -> list[Place]:
         raise ValueError(f"ranks = {spec.ranks} but hostfile {spec.hostfile} lists "
                          f"{len(entries)} hosts")  # fmt: skip
     local = local_names()
+    mixed = any(entry.ssh not in local for entry in entries)
     places = []
     for entry in entries:
+        if not SSH_DESTINATION.fullmatch(entry.ssh):  # never an ssh option, never a shell word
+            raise ValueError(f"hostfile {spec.hostfile}: {entry.ssh!r} is not a host name")
         here = entry.ssh in local
-        ip = entry.ips[0] if entry.ips else (LOOPBACK if here else "")
+        # Only a ring all on this machine may default to loopback.
+        ip = entry.ips[0] if entry.ips else (LOOPBACK if here and not mixed else "")
         if not ip:
             raise ValueError(f"hostfile {spec.hostfile}: {entry.ssh} has no ips for the ring")
         places.append(Place(None if here else entry.ssh, ip))
@@ -192,6 +206,9 @@ class RunnerGroup:
         self.stop_requested = False
         self._readies: dict[int, Ready] = {}
         self._load_failed = False
+        self._failure: str | None = None  # a bug in the group's own task
+        self._hostfile_dir: Path | None = None
+        self._remote_ports: list[int] = []
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
             max_buffer_size=math.inf
         )
@@ -308,9 +325,7 @@ class RunnerGroup:
                 await self._escalate_all("a rank failed to start", first="sigkill")
             self._events_in.close()
             raise RunnerStartError("; ".join(sorted(failures)))
-        for rank, handle in enumerate(self.ranks):
-            task_group.start_soon(self._gather, rank, handle, name=f"rank {rank} {self.spec.name}")
-        task_group.start_soon(self._watch, name=f"group {self.spec.name}")
+        task_group.start_soon(self._run, name=f"group {self.spec.name}")
 
     # --- talking -------------------------------------------------------------
 
@@ -333,23 +348,58 @@ class RunnerGroup:
             raise RunnerGone(self.exit_info) from None
 
     async def _load(self, command: LoadModel) -> None:
-        # Ports here are the kernel's free ones; on another machine, base + rank.
+        """Each rank its LoadModel, in the order the ring forms.
+
+        Raises:
+            RunnerGone: a rank died before it was warm (the group is going).
+        """
+        # Ports here are the kernel's free ones; on other machines a block of
+        # base + offset + rank that no other group of ours holds.
         free = iter(free_ports(self.size))
-        base = self.config.distributed_port_base
-        ports = [next(free) if p.host is None else base + r for r, p in enumerate(self.places)]
+        remote = iter(self._claim_remote_ports())
+        ports = [next(free) if p.host is None else next(remote) for p in self.places]
         hosts = [f"{place.ip}:{port}" for place, port in zip(self.places, ports, strict=True)]
+        # The ranks here read the ring's host file from a directory that goes
+        # with the group, whatever becomes of them; a remote rank writes its own.
+        self._hostfile_dir = Path(tempfile.mkdtemp(prefix="mlx-supervisor-ring-"))
+        hostfile = self._hostfile_dir / "hosts.json"
+        hostfile.write_text(json.dumps([[host] for host in hosts]), encoding="utf-8")
         plan = command.memory
         if plan is not None and plan.budget_bytes is not None:  # each rank holds a share
             plan = msgspec.structs.replace(plan, budget_bytes=plan.budget_bytes // self.size)
         for handle in self.ranks:  # init holds the GIL: no pings answered while it blocks
-            await handle.warm.wait()
+            await first_of(handle.warm, self.exited)
+            if not handle.warm.is_set():
+                raise RunnerGone(handle.exit_info or ExitInfo(None, None, "rank exited"))
         self.log.info("group_forming", hosts=hosts)
-        for rank, handle in enumerate(self.ranks):
+        for rank, (handle, place) in enumerate(zip(self.ranks, self.places, strict=True)):
             if rank == self.size - 1:  # (the local ones: a remote rank retries its connect)
                 await self._wait_listening(ports[:-1])
-            distributed = Distributed(rank, hosts)
+            distributed = Distributed(
+                rank,
+                hosts,
+                self.spec.distributed_backend,
+                hostfile=str(hostfile) if place.host is None else None,
+                join_timeout_s=self.config.group_join_s,
+            )
             await handle.send(msgspec.structs.replace(command, memory=plan,
                                                       distributed=distributed))  # fmt: skip
+
+    def _claim_remote_ports(self) -> list[int]:
+        """Ports for the remote ranks (``base + offset + rank``), in a block
+        no live group of this daemon holds: MLX listens with SO_REUSEPORT, so
+        two rings on one port would cross-wire silently."""
+        remote = [r for r, p in enumerate(self.places) if p.host is not None]
+        if not remote:
+            return []
+        base = self.config.distributed_port_base
+        for offset in range(0, 65535 - base - self.size, self.size):
+            ports = [base + offset + r for r in remote]
+            if not _REMOTE_PORTS_IN_USE.intersection(ports):
+                _REMOTE_PORTS_IN_USE.update(ports)
+                self._remote_ports = ports
+                return ports
+        raise RunnerGone(ExitInfo(None, None, "no free block of ports for the remote ranks"))
 
     async def _wait_listening(self, ports: list[int]) -> None:
         """Until ranks 0..N-2 listen on their ports (or one of them is gone:
@@ -380,6 +430,7 @@ class RunnerGroup:
                     self._events_in.send_nowait(LoadFailed(f"rank {rank}: {event.error}"))
             elif isinstance(event, LoadProgress) or rank == 0:
                 self._events_in.send_nowait(event)
+        # (the stream closes only after every gather has ended: see _run)
 
     def _merged_ready(self) -> Ready:
         readies = [self._readies[r] for r in range(self.size)]
@@ -406,45 +457,66 @@ class RunnerGroup:
             raise RunnerGone(self.exit_info) from None
 
     def open_request(self, request_id: int) -> RequestStream:
-        """Rank 0's frames of ``request_id``; when it ends, the group's exit."""
+        """Rank 0's frames of ``request_id``; when it ends, the group's exit.
+        The other ranks follow the request too (their frames are dropped), so
+        each rank's stall watchdog knows it is in prefill or decode."""
+        for handle in self.ranks[1:]:
+            handle.follow_request(request_id)
         stream = self.lead.open_request(request_id)
         stream.owner = self
         return stream
 
     def close_request(self, request_id: int, *, end: bool = True) -> None:
-        self.lead.close_request(request_id, end=end)
+        for handle in self.ranks:
+            handle.close_request(request_id, end=end)
 
     def expect(self, kind: type[Any]) -> EventWaiter:
         return self.lead.expect(kind)
 
     # --- failure and stopping ------------------------------------------------
 
-    async def _watch(self) -> None:
-        """On the first rank's death, tear the others down at once; when
-        every rank is reaped, the group has exited."""
+    async def _run(self) -> None:
+        """The group's own task, a fault boundary: the ranks' load events
+        gathered, and their deaths watched. When every rank is reaped (and
+        its last events read), the group has exited."""
         try:
-            first = await self._first_exit()
-            self.first_dead = first
-            if not self.stop_requested:
-                dead = self.ranks[first].exit_info
-                self.log.warning("group_rank_died", rank=first,
-                                 cause=dead.cause if dead else None)  # fmt: skip
-                # A Shutdown first: a rank inside a collective sees its peer
-                # gone within milliseconds and says so in its exit audit; an
-                # idle one exits at once. The ladder goes on for one that hangs.
-                await self._escalate_all(f"rank {first} of the group died", first="shutdown")
-            for handle in self.ranks:
-                await handle.exited.wait()
+            async with anyio.create_task_group() as tg:
+                for rank, handle in enumerate(self.ranks):
+                    tg.start_soon(self._gather, rank, handle)
+                await self._watch()
+        except Exception as exc:
+            self.log.exception("group_task_failed")
+            self.signal(signal.SIGKILL)
+            self._failure = f"supervisor error: {exc!r}"
         finally:
             with anyio.CancelScope(shield=True):
                 for handle in self.ranks:  # cancelled (the daemon stops): never leave one
                     if not handle.exited.is_set():
-                        await handle.escalate("group watcher stopped", first="sigkill")
+                        await handle.escalate("group stopped", first="sigkill")
             self.exit_info = self._describe_exit()
             self._events_in.close()
+            if self._hostfile_dir is not None:
+                shutil.rmtree(self._hostfile_dir, ignore_errors=True)
+            _REMOTE_PORTS_IN_USE.difference_update(self._remote_ports)
             self.log.info("group_exited", first_dead=self.first_dead,
                           cause=self.exit_info.cause)  # fmt: skip
             self.exited.set()
+
+    async def _watch(self) -> None:
+        """On the first rank's death, tear the others down at once; return
+        when every rank is reaped."""
+        first = await self._first_exit()
+        self.first_dead = first
+        if not self.stop_requested:
+            dead = self.ranks[first].exit_info
+            self.log.warning("group_rank_died", rank=first,
+                             cause=dead.cause if dead else None)  # fmt: skip
+            # A Shutdown first: a rank inside a collective sees its peer gone
+            # within milliseconds and says so in its exit audit; an idle one
+            # exits at once. The ladder goes on for one that hangs.
+            await self._escalate_all(f"rank {first} of the group died", first="shutdown")
+        for handle in self.ranks:
+            await handle.exited.wait()
 
     async def _first_exit(self) -> int:
         first: list[int] = []
@@ -472,9 +544,10 @@ class RunnerGroup:
                 cause_class = "requested"
             exits.append(RankExit(rank, info.code, info.signal, info.cause, cause_class))
         lead = self.ranks[first].exit_info or ExitInfo(None, None, "never started")
-        return msgspec.structs.replace(
-            lead, cause=f"rank {first}: {lead.cause}", rank=first, ranks=exits
-        )
+        cause = f"rank {first}: {lead.cause}"
+        if self._failure is not None:
+            cause = f"{self._failure}; {cause}"
+        return msgspec.structs.replace(lead, cause=cause, rank=first, ranks=exits)
 
     def signal(self, signum: Any) -> None:
         for handle in self.ranks:

@@ -267,6 +267,7 @@ class RunnerHandle:
         # Requests in flight: their frame streams, and whether each is still in
         # prefill (no token yet); the watchdog's phase follows from them.
         self._requests: dict[int, RequestStream] = {}
+        self._followed: set[int] = set()  # requests tracked for the phase only
         self._prefilling: set[int] = set()
         self.engine_stats: EngineStats | None = None  # the runner's latest report
         self._waiters: list[EventWaiter] = []
@@ -394,7 +395,7 @@ class RunnerHandle:
             "--read-fd", "0", "--write-fd", "3", "--parent-pid", "0",
         ]  # fmt: skip
         command = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(runner)} 3>&1 1>&2"
-        return [*self.config.ssh_command, self.host, command]
+        return [*self.config.ssh_command, "--", self.host, command]
 
     def adopt(self, spec: ModelConfig) -> None:
         """Hand this (spare) runner to the model ``spec``."""
@@ -578,7 +579,10 @@ class RunnerHandle:
 
     @property
     def footprint_bytes(self) -> int:
-        """What this runner holds: its RSS or MLX's active + cache, the larger."""
+        """What this runner holds on this machine: its RSS or MLX's active +
+        cache, the larger (a remote rank: nothing here)."""
+        if self.host is not None:
+            return 0
         mlx = self.memory.active_bytes + self.memory.cache_bytes
         return max(self.rss_bytes or 0, mlx)
 
@@ -620,7 +624,7 @@ class RunnerHandle:
     def _request_phase(self) -> str:
         """idle with no request in flight; prefill while one waits for its
         first token (the longer timeout); else decode."""
-        if not self._requests:
+        if not self._requests and not self._followed:
             return "idle"
         return "prefill" if self._prefilling else "decode"
 
@@ -634,9 +638,18 @@ class RunnerHandle:
         self._set_phase("prefill")
         return stream
 
+    def follow_request(self, request_id: int) -> None:
+        """Track ``request_id``'s phase without keeping its frames (a rank
+        whose peer answers): the stall watchdog then times its prefill and
+        decode as for a request it answers."""
+        self._followed.add(request_id)
+        self._prefilling.add(request_id)
+        self._set_phase("prefill")
+
     def close_request(self, request_id: int, *, end: bool = True) -> None:
         """Stop routing ``request_id``'s frames; the phase follows what is left."""
         stream = self._requests.pop(request_id, None)
+        self._followed.discard(request_id)
         self._prefilling.discard(request_id)
         if stream is not None and end:
             stream.end()
