@@ -178,6 +178,8 @@ def load_sharded(
             str(path),
             pipeline_group=None if tensor else group,
             tensor_group=group if tensor else None,
+            # sharded_load trusts a repo's tokenizer code unless told; mlx_lm.load does not.
+            tokenizer_config={"trust_remote_code": False},
         ),
     )
     view = guard.refresh() if guard is not None else None
