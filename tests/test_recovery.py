@@ -178,7 +178,9 @@ def test_request_that_streamed_is_not_replayed(start_daemon: DaemonFactory) -> N
         with pytest.raises(ClientError) as excinfo:
             for piece in gen:
                 pieces.append(piece)
-    assert len(pieces) == 3
+    # 3 tokens came (in 3 frames, or fewer when the daemon joined those that
+    # piled up while this client was slow), and then the error, not a replay.
+    assert gen.tokens == 3 and 1 <= len(pieces) <= 3
     assert "SIGKILL" in excinfo.value.message
     assert client.status().counters.get("requests_retried", 0) == 0
 

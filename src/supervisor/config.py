@@ -146,8 +146,8 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     group_join_s: Seconds = 60.0  # a rank joining its mx.distributed group (no pings answered)
     # Ranks on other machines (a model's hostfile): how to reach them, and the
     # first port their ring listens on (rank r: base + r), as mlx.launch does.
-    ssh_command: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] = (
-        msgspec.field(default_factory=lambda: ["ssh", "-o", "BatchMode=yes"])
+    ssh_command: Annotated[list[NonEmpty], Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10"]
     )
     distributed_port_base: Annotated[int, Meta(ge=1024, le=65000)] = 32323
     prefill_stall_s: Seconds = 120.0
