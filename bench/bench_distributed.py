@@ -21,7 +21,8 @@ the order flipping every round):
 3. Rank death: SIGKILL rank 1 mid-stream. Kill -> the whole group torn down
    (the daemon's ``group_exited``: every rank reaped) and kill -> ready again
    (``model_ready``), p50 / p99 over ``--kills`` kills; ready again is also
-   shown against the group's own load time.
+   shown against the group's own load time. The daemon restarts at once
+   (no backoff, no restart limit) so that this times the restart itself.
 
 Daemon-side times come from its JSON log (UTC, microseconds), compared with
 the wall clock at the moment of the kill.
@@ -193,8 +194,10 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mlx-supervisor-bench-") as tmp, ExitStack() as stack:
-        # No hot spare: a load starts fresh processes on both sides.
-        d = Daemon.start(stack, Path(tmp), "dist", "hot_spare = false\n", client_timeout_s=300)
+        # No hot spare: a load starts fresh processes on both sides. Restarts at
+        # once and without limit: figure 3 times the restart itself, not a backoff.
+        config = "hot_spare = false\nrestart_backoff_s = 0.0\nmax_restarts = 1000\n"
+        d = Daemon.start(stack, Path(tmp), "dist", config, client_timeout_s=300)
         note("1. load to ready")
         load = load_family(d, args.model, args.rounds)
         note("2. decode")

@@ -69,6 +69,8 @@ SSH_DESTINATION = re.compile(r"[A-Za-z0-9_.:\[\]%][A-Za-z0-9_.:\[\]%@-]*")
 """A host (``user@host``, an IP): no leading ``-``, no space or shell character."""
 _REMOTE_PORTS_IN_USE: set[int] = set()
 """Ports the daemon's live groups hold on other machines (base + offset + rank)."""
+PEER_EXIT_GRACE_S = 1.0
+"""How long a rank has to exit after a peer died and it got Shutdown."""
 LISTEN_POLL_S = 0.01
 """How often the ports of the first ranks are looked at while the last waits
 (they listen within a few ms of their LoadModel)."""
@@ -513,8 +515,16 @@ class RunnerGroup:
                              cause=dead.cause if dead else None)  # fmt: skip
             # A Shutdown first: a rank inside a collective sees its peer gone
             # within milliseconds and says so in its exit audit; an idle one
-            # exits at once. The ladder goes on for one that hangs.
-            await self._escalate_all(f"rank {first} of the group died", first="shutdown")
+            # exits at once. One that does not exit within a second is stuck
+            # in a collective the backend never fails (it happens: "Failing
+            # pending tasks..." and then nothing) and no signal handler can
+            # run there: it is killed.
+            await self._escalate_all(
+                f"rank {first} of the group died",
+                first="shutdown",
+                shutdown_grace_s=PEER_EXIT_GRACE_S,
+                term_grace_s=self.config.stall_kill_grace_s,
+            )
         for handle in self.ranks:
             await handle.exited.wait()
 
@@ -559,13 +569,15 @@ class RunnerGroup:
         *,
         first: Literal["shutdown", "sigterm", "sigkill"],
         term_grace_s: float | None = None,
+        shutdown_grace_s: float | None = None,
     ) -> list[str]:
         steps: list[list[str]] = [[] for _ in self.ranks]
 
         async def one(rank: int, handle: RunnerHandle) -> None:
             if handle.process is None:
                 return
-            steps[rank] = await handle.escalate(reason, first=first, term_grace_s=term_grace_s)
+            steps[rank] = await handle.escalate(reason, first=first, term_grace_s=term_grace_s,
+                                                shutdown_grace_s=shutdown_grace_s)  # fmt: skip
 
         async with anyio.create_task_group() as tg:
             for rank, handle in enumerate(self.ranks):

@@ -816,18 +816,21 @@ class RunnerHandle:
         *,
         first: Literal["shutdown", "sigterm", "sigkill"] = "shutdown",
         term_grace_s: float | None = None,
+        shutdown_grace_s: float | None = None,
     ) -> list[str]:
         """The kill ladder: Shutdown message, join, SIGTERM, join, SIGKILL, reap.
 
         Unloads and daemon shutdown start at ``shutdown`` (a requested stop);
         the stall watchdog starts at ``sigterm`` with a short grace. Waits
-        ``shutdown_grace_s`` after the message and ``term_grace_s`` (default
-        the config's) after SIGTERM. Returns the steps taken; when it returns
+        ``shutdown_grace_s`` after the message and ``term_grace_s`` after
+        SIGTERM (defaults: the config's). Returns the steps taken; when it returns
         the process has been reaped.
         """
         if first == "shutdown":
             self.stop_requested = True
         term_grace_s = self.config.term_grace_s if term_grace_s is None else term_grace_s
+        if shutdown_grace_s is None:
+            shutdown_grace_s = self.config.shutdown_grace_s
         steps: list[str] = []
         started = time.perf_counter()
 
@@ -835,7 +838,7 @@ class RunnerHandle:
             return round(time.perf_counter() - started, 3)
 
         if first == "shutdown" and not self.exited.is_set() and self.channel is not None:
-            with anyio.move_on_after(self.config.shutdown_grace_s):
+            with anyio.move_on_after(shutdown_grace_s):
                 try:
                     await self.channel.send(Shutdown(reason))
                     steps.append("shutdown")
