@@ -421,3 +421,28 @@ def test_a_cancel_ends_a_request_wherever_it_waits_and_the_first_in_a_batch_keep
     assert h.done(second).generation_tokens == 200 and h.done(seeded).generation_tokens == 5
     stats = h.engine.stats().prefix_cache
     assert stats is not None and stats.entries == 3  # first (uid 0), second and seeded
+
+
+def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
+    tiny: LoadedModel,
+) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    first = h.submit("no estimate yet: " * 4, max_tokens=2)
+    assert h.engine.admission_wait_s() == 0.0  # nothing measured: it starts at once
+    h.run()
+    rate = h.engine._prefill_tps
+    assert rate is not None and rate > 0  # measured on that prefill
+    h.engine._prefill_tps = rate = 10.0  # as slow as a big model: a wait worth having
+    h.submit("the same length of prompt, again: " * 4, max_tokens=2)
+    wait = h.engine.admission_wait_s()
+    prompt = len(h.engine.pending[0].prompt)
+    assert 0.0 < wait <= min(0.05, 0.02 * prompt / rate)
+    h.submit("a second request ends the wait", max_tokens=2)
+    assert h.engine.admission_wait_s() == 0.0  # two can start together
+    h.run()
+    assert h.done(first).finish_reason == "length"
+    # A model that cannot batch never waits.
+    one = Harness(tiny, EngineSettings(max_concurrent=1, prefix_cache=False))
+    one.engine._prefill_tps = rate
+    one.submit("alone: " * 8, max_tokens=2)
+    assert one.engine.admission_wait_s() == 0.0

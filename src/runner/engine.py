@@ -210,7 +210,7 @@ class Engine:
         self._stop_tokens = [[t] for t in sorted(tokenizer.eos_token_ids)]
         self._samplers: dict[tuple[float, float], Any] = {}
         self._steps = 0
-        self._prefill_tps: float | None = None  # solo prefill tokens/s, a running estimate
+        self._prefill_tps: float | None = None  # prefill tokens/s, a running estimate
         self._progress = 0
         self._last_beat = time.perf_counter()
         self.stats_snapshot = self.stats()
@@ -651,10 +651,13 @@ class Engine:
         return finish
 
     def _note_prefill(self, job: Job) -> None:
-        """Fold a solo prefill's rate into the estimate admission waits by."""
+        """Fold a prefill's rate into the estimate admission waits by. In a
+        batch the time covers the others' prefills too: the rate is then
+        low, and the wait it gives long (within the cap), which errs on the
+        side of batching."""
         computed = len(job.prompt) - job.cached_tokens
         elapsed = (job.first_token_at or 0.0) - job.started
-        if job.batched or computed < 8 or elapsed <= 0:
+        if computed < 8 or elapsed <= 0:
             return
         rate = computed / elapsed
         old = self._prefill_tps
