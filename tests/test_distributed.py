@@ -21,7 +21,7 @@ from ipc.messages import RunnerInfo
 from supervisor.client import Client, ClientError
 from supervisor.config import ConfigError, ModelConfig, load_config
 from supervisor.memory.estimate import Estimate
-from supervisor.runner_group import Place, free_ports, group_estimate, group_places
+from supervisor.runner_group import Place, free_ports, group_estimate, group_places, room_problem
 
 PROMPT = "Once upon a time"
 # No hot spare: a group does not use it, and every runner importing mlx costs CPU.
@@ -329,3 +329,11 @@ def test_a_config_whose_hostfile_cannot_serve_is_refused(tmp_path: Path) -> None
     config.write_text(f'[[models]]\nname = "m"\nmodel = "builtin:tiny"\nhostfile = "{missing}"\n')
     with pytest.raises(ConfigError, match="cannot read hostfile"):
         load_config(config)
+
+
+def test_another_machine_without_room_for_its_rank_is_named() -> None:
+    gib = 1 << 30
+    assert room_problem("mac-2", 64 * gib, 40 * gib, 20 * gib, None) is None
+    problem = room_problem("mac-2", 64 * gib, 24 * gib, 20 * gib, None)  # guard: 6.4 GiB
+    assert problem is not None and "mac-2" in problem and "20.0 GiB" in problem
+    assert room_problem("mac-2", 64 * gib, 24 * gib, 20 * gib, 2 * gib) is None

@@ -522,9 +522,13 @@ RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache
 
 
 class Started(msgspec.Struct, tag="started"):
-    """The runner has imported mlx and mlx_lm and waits for a LoadModel."""
+    """The runner has imported mlx and mlx_lm and waits for a LoadModel.
+    It says what memory its machine has (0: unknown), for a rank on another
+    machine than the supervisor's."""
 
     import_s: float
+    memory_total_bytes: int = 0
+    memory_available_bytes: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
+import psutil
 import structlog
 
 from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
@@ -433,7 +434,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     import_s = time.perf_counter() - started
     log.info("runner_started", import_s=round(import_s, 3))
-    channel.send(Started(import_s))
+    machine = psutil.virtual_memory()
+    channel.send(Started(import_s, machine.total, machine.available))
 
     cause = "unknown"
     cause_class: CauseClass | None = None

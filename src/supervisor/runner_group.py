@@ -53,6 +53,7 @@ from ipc.messages import (
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.memory.classify import classify_exit
 from supervisor.memory.estimate import Estimate
+from supervisor.memory.monitor import default_guard_bytes
 from supervisor.runner_handle import (
     EventWaiter,
     RequestStream,
@@ -60,6 +61,7 @@ from supervisor.runner_handle import (
     RunnerHandle,
     RunnerStartError,
 )
+from supervisor.units import format_bytes
 from supervisor.waiting import first_of
 
 __all__ = ["Place", "RunnerGroup", "free_ports", "group_estimate", "group_places", "is_group"]
@@ -146,6 +148,16 @@ def group_places(spec: ModelConfig) -> list[Place]:
             raise ValueError(f"hostfile {spec.hostfile}: {entry.ssh} has no ips for the ring")
         places.append(Place(None if here else entry.ssh, ip))
     return places
+
+
+def room_problem(host: str, total: int, available: int, need: int, guard: int | None) -> str | None:
+    """Why a machine cannot take a rank that needs ``need`` bytes, or None:
+    it must keep its guard free (``guard``, else the daemon's default)."""
+    guard = default_guard_bytes(total, total) if guard is None else guard
+    if need <= available - guard:
+        return None
+    return (f"{host} has {format_bytes(available)} available and keeps {format_bytes(guard)} "
+            f"free: not the {format_bytes(need)} one rank needs")  # fmt: skip
 
 
 def is_group(spec: ModelConfig) -> bool:
@@ -373,6 +385,20 @@ class RunnerGroup:
             await first_of(handle.warm, self.exited)
             if not handle.warm.is_set():
                 raise RunnerGone(handle.exit_info or ExitInfo(None, None, "rank exited"))
+        # Admission counted the ranks here; another machine's room is known
+        # once its rank has said what its machine has.
+        need = plan.budget_bytes if plan is not None else None
+        for rank, (handle, place) in enumerate(zip(self.ranks, self.places, strict=True)):
+            total, available = handle.machine_memory
+            if place.host is None or need is None or not total:
+                continue
+            problem = room_problem(place.host, total, available, need,
+                                   self.config.memory_guard_bytes)  # fmt: skip
+            if problem is not None:
+                self._failure = f"insufficient memory for rank {rank}: {problem}"
+                self.log.error("group_refused", rank=rank, reason=problem)
+                await self._escalate_all(self._failure, first="sigkill")
+                raise RunnerGone(ExitInfo(None, None, self._failure))
         self.log.info("group_forming", hosts=hosts)
         for rank, (handle, place) in enumerate(zip(self.ranks, self.places, strict=True)):
             if rank == self.size - 1:  # (the local ones: a remote rank retries its connect)

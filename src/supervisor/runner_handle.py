@@ -274,6 +274,7 @@ class RunnerHandle:
         self.rank = rank
         self.host = host
         self.runner_pid: int | None = None  # as the runner's Hello said
+        self.machine_memory = (0, 0)  # its machine's total and available bytes, once warm
         self.log: Any = structlog.get_logger("supervisor.runner").bind(model=spec.name)
         if rank is not None:
             self.log = self.log.bind(rank=rank)
@@ -485,6 +486,7 @@ class RunnerHandle:
                         requests_served=event.requests_served,
                     )
                 elif isinstance(event, Started):
+                    self.machine_memory = (event.memory_total_bytes, event.memory_available_bytes)
                     self.warm.set()
                     self.log.info("runner_warm", import_s=round(event.import_s, 3))
                 elif isinstance(event, EngineReport):
