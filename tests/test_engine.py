@@ -7,6 +7,7 @@ alone or in a batch (on the fp32 builtins, where batching is exact).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -434,6 +435,7 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     assert rate is not None and rate > 0  # measured on that prefill
     h.engine._prefill_tps = rate = 10.0  # as slow as a big model: a wait worth having
     h.submit("the same length of prompt, again: " * 4, max_tokens=2)
+    h.engine.pending[0].received = time.perf_counter()  # (however slow this machine is now)
     wait = h.engine.admission_wait_s()
     prompt = len(h.engine.pending[0].prompt)
     assert 0.0 < wait <= min(0.05, 0.02 * prompt / rate)
@@ -441,6 +443,12 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     assert h.engine.admission_wait_s() == 0.0  # two can start together
     h.run()
     assert h.done(first).finish_reason == "length"
+    # Prefills in a batch feed the estimate too: the first round can wait.
+    batched = Harness(tiny, EngineSettings(prefix_cache=False))
+    ids = [batched.submit(f"request {i} comes with the others: " * 3, max_tokens=2) for i in (1, 2)]
+    batched.run()
+    assert all(batched.done(i).batched for i in ids)
+    assert batched.engine._prefill_tps is not None
     # A model that cannot batch never waits.
     one = Harness(tiny, EngineSettings(max_concurrent=1, prefix_cache=False))
     one.engine._prefill_tps = rate

@@ -157,6 +157,7 @@ class ModelEntry:
     progress_listeners: list[ProgressListener] = field(default_factory=list)
     keep_alive_s: float = 0.0  # idle this long: unloaded (0: never)
     estimate: Estimate | None = None
+    rank_need_bytes: int | None = None  # a group: what one rank needs (the estimate's)
     plan: MemoryPlan | None = None  # what admission granted the current runner
     admitted: bool = False  # from admission until that runner is gone
     footprint_at_exit: int = 0  # what its last runner held when it died
@@ -740,6 +741,9 @@ class Registry:
                 except ValueError:  # the runner's start says so
                     places = [Place(None, "")]
                 here = sum(place.host is None for place in places)
+                if len(places) > 1:
+                    one = group_estimate(entry.estimate, len(places), local=1)
+                    entry.rank_need_bytes = one.total_bytes
                 entry.estimate = group_estimate(entry.estimate, len(places), here)
                 entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
 
@@ -823,6 +827,8 @@ class Registry:
             entry.load_error = str(exc)
             return ExitInfo(code=None, signal=None, cause=str(exc))
         entry.handle = handle
+        if isinstance(handle, RunnerGroup):
+            handle.rank_need_bytes = entry.rank_need_bytes
         if entry.stop_requested.is_set():  # unloaded while we were starting it
             await handle.escalate("unload")
         else:

@@ -19,6 +19,7 @@ single handle would for the model's entry:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -29,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import anyio
 import msgspec
@@ -44,6 +45,7 @@ from ipc.messages import (
     LoadModel,
     LoadProgress,
     MemoryFigures,
+    MemoryPlan,
     RankExit,
     RankInfo,
     Ready,
@@ -70,6 +72,7 @@ LOOPBACK = "127.0.0.1"
 SSH_DESTINATION = re.compile(r"[A-Za-z0-9_.:\[\]%][A-Za-z0-9_.:\[\]%@-]*")
 """A host (``user@host``, an IP): no leading ``-``, no space or shell character."""
 _REMOTE_PORTS_IN_USE: set[int] = set()
+_NEXT_BLOCK = 0  # the port block the next group with remote ranks tries first
 """Ports the daemon's live groups hold on other machines (base + offset + rank)."""
 PEER_EXIT_GRACE_S = 1.0
 """How long a rank has to exit after a peer died and it got Shutdown."""
@@ -109,9 +112,11 @@ class Place(msgspec.Struct, frozen=True):
     ip: str
 
 
-def local_names() -> set[str]:
+@functools.cache
+def local_names() -> frozenset[str]:
+    """This machine's names (a reverse lookup: once per daemon)."""
     name = socket.gethostname()
-    return {"localhost", "127.0.0.1", "::1", name, name.split(".")[0], socket.getfqdn()}
+    return frozenset({"localhost", "127.0.0.1", "::1", name, name.split(".")[0], socket.getfqdn()})
 
 
 def group_places(spec: ModelConfig) -> list[Place]:
@@ -223,6 +228,7 @@ class RunnerGroup:
         self._failure: str | None = None  # a bug in the group's own task
         self._hostfile_dir: Path | None = None
         self._remote_ports: list[int] = []
+        self.rank_need_bytes: int | None = None  # one rank's estimate, set by the registry
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
             max_buffer_size=math.inf
         )
@@ -370,7 +376,10 @@ class RunnerGroup:
         # Ports here are the kernel's free ones; on other machines a block of
         # base + offset + rank that no other group of ours holds.
         free = iter(free_ports(self.size))
-        remote = iter(self._claim_remote_ports())
+        claimed = self._claim_remote_ports()
+        if len(claimed) != sum(p.host is not None for p in self.places):
+            await self._refuse("no free block of ports for the remote ranks")
+        remote = iter(claimed)
         ports = [next(free) if p.host is None else next(remote) for p in self.places]
         hosts = [f"{place.ip}:{port}" for place, port in zip(self.places, ports, strict=True)]
         # The ranks here read the ring's host file from a directory that goes
@@ -378,27 +387,14 @@ class RunnerGroup:
         self._hostfile_dir = Path(tempfile.mkdtemp(prefix="mlx-supervisor-ring-"))
         hostfile = self._hostfile_dir / "hosts.json"
         hostfile.write_text(json.dumps([[host] for host in hosts]), encoding="utf-8")
-        plan = command.memory
-        if plan is not None and plan.budget_bytes is not None:  # each rank holds a share
-            plan = msgspec.structs.replace(plan, budget_bytes=plan.budget_bytes // self.size)
         for handle in self.ranks:  # init holds the GIL: no pings answered while it blocks
             await first_of(handle.warm, self.exited)
             if not handle.warm.is_set():
                 raise RunnerGone(handle.exit_info or ExitInfo(None, None, "rank exited"))
-        # Admission counted the ranks here; another machine's room is known
-        # once its rank has said what its machine has.
-        need = plan.budget_bytes if plan is not None else None
-        for rank, (handle, place) in enumerate(zip(self.ranks, self.places, strict=True)):
-            total, available = handle.machine_memory
-            if place.host is None or need is None or not total:
-                continue
-            problem = room_problem(place.host, total, available, need,
-                                   self.config.memory_guard_bytes)  # fmt: skip
-            if problem is not None:
-                self._failure = f"insufficient memory for rank {rank}: {problem}"
-                self.log.error("group_refused", rank=rank, reason=problem)
-                await self._escalate_all(self._failure, first="sigkill")
-                raise RunnerGone(ExitInfo(None, None, self._failure))
+        plans = self._rank_plans(command.memory)
+        problem = self._room_problem()
+        if problem is not None:
+            await self._refuse(problem)
         self.log.info("group_forming", hosts=hosts)
         for rank, (handle, place) in enumerate(zip(self.ranks, self.places, strict=True)):
             if rank == self.size - 1:  # (the local ones: a remote rank retries its connect)
@@ -410,8 +406,65 @@ class RunnerGroup:
                 hostfile=str(hostfile) if place.host is None else None,
                 join_timeout_s=self.config.group_join_s,
             )
-            await handle.send(msgspec.structs.replace(command, memory=plan,
+            await handle.send(msgspec.structs.replace(command, memory=plans[rank],
                                                       distributed=distributed))  # fmt: skip
+
+    def _rank_plans(self, plan: MemoryPlan | None) -> list[MemoryPlan | None]:
+        """Each rank's memory plan. Admission's budget covers the ranks on
+        this machine, which share it; a rank on another machine gets one
+        rank's need and that machine's own total and guard."""
+        here = sum(place.host is None for place in self.places)
+        plans: list[MemoryPlan | None] = []
+        for handle, place in zip(self.ranks, self.places, strict=True):
+            if plan is None:
+                plans.append(None)
+            elif place.host is None:
+                budget = plan.budget_bytes // here if plan.budget_bytes is not None else None
+                plans.append(msgspec.structs.replace(plan, budget_bytes=budget))
+            else:
+                total = handle.machine_memory[0] or plan.total_bytes
+                guard = self.config.memory_guard_bytes
+                if guard is None:
+                    guard = default_guard_bytes(total, total) if plan.guard_bytes else 0
+                plans.append(MemoryPlan(total_bytes=total, budget_bytes=self.rank_need_bytes,
+                                        guard_bytes=guard,
+                                        threshold_pct=plan.threshold_pct))  # fmt: skip
+        return plans
+
+    def _room_problem(self) -> str | None:
+        """Why another machine cannot take its ranks (as many as it hosts, each
+        needing one rank's share), or None. Known once its ranks are warm."""
+        need = self.rank_need_bytes
+        if need is None:
+            return None
+        hosts: dict[str, list[RunnerHandle]] = {}
+        for handle, place in zip(self.ranks, self.places, strict=True):
+            if place.host is not None:
+                hosts.setdefault(place.host, []).append(handle)
+        for host, handles in hosts.items():
+            total, available = handles[0].machine_memory
+            if not total:
+                continue
+            problem = room_problem(host, total, available, need * len(handles),
+                                   self.config.memory_guard_bytes)  # fmt: skip
+            if problem is not None:
+                return problem
+        return None
+
+    async def _refuse(self, problem: str) -> NoReturn:
+        """End the load: the group is killed (by us, not by memory pressure
+        here) and the load fails with ``problem``.
+
+        Raises:
+            RunnerGone: always.
+        """
+        self._failure = problem
+        self.log.error("group_refused", reason=problem)
+        for handle in self.ranks:
+            handle.kill_cause = handle.kill_cause or problem
+        await self._escalate_all(problem, first="sigkill")
+        await self.exited.wait()
+        raise RunnerGone(self.exit_info or ExitInfo(None, None, problem))
 
     def _claim_remote_ports(self) -> list[int]:
         """Ports for the remote ranks (``base + offset + rank``), in a block
@@ -420,14 +473,20 @@ class RunnerGroup:
         remote = [r for r, p in enumerate(self.places) if p.host is not None]
         if not remote:
             return []
+        global _NEXT_BLOCK
         base = self.config.distributed_port_base
-        for offset in range(0, 65535 - base - self.size, self.size):
-            ports = [base + offset + r for r in remote]
-            if not _REMOTE_PORTS_IN_USE.intersection(ports):
+        blocks = max(1, (65535 - base) // self.size)
+        for step in range(blocks):
+            # Blocks in turn, not the lowest free one: a remote rank of the
+            # group before may still be on its way out, holding its port.
+            block = (_NEXT_BLOCK + step) % blocks
+            ports = [base + block * self.size + r for r in remote]
+            if max(ports) < 65536 and not _REMOTE_PORTS_IN_USE.intersection(ports):
                 _REMOTE_PORTS_IN_USE.update(ports)
+                _NEXT_BLOCK = block + 1
                 self._remote_ports = ports
                 return ports
-        raise RunnerGone(ExitInfo(None, None, "no free block of ports for the remote ranks"))
+        return []
 
     async def _wait_listening(self, ports: list[int]) -> None:
         """Until ranks 0..N-2 listen on their ports (or one of them is gone:
@@ -457,6 +516,12 @@ class RunnerGroup:
                     self._load_failed = True
                     self._events_in.send_nowait(LoadFailed(f"rank {rank}: {event.error}"))
             elif isinstance(event, LoadProgress) or rank == 0:
+                if isinstance(event, LoadProgress):
+                    # A rank done loading waits in sharded_load's barrier for
+                    # the slowest, and says nothing: the group's load moves.
+                    for other in self.ranks:
+                        if other is not handle and other.phase == "loading":
+                            other.note_progress_elsewhere()
                 self._events_in.send_nowait(event)
         # (the stream closes only after every gather has ended: see _run)
 

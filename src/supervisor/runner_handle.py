@@ -595,6 +595,11 @@ class RunnerHandle:
         self._note_progress()
         self._phase_changed.set()  # the watchdog recomputes its deadline
 
+    def note_progress_elsewhere(self) -> None:
+        """Another rank of this runner's group made load progress: the
+        group's load is moving, though this rank waits silently for it."""
+        self._note_progress()
+
     def _note_progress(self) -> None:
         # Per token: a counter and a timestamp, no wake-up (the watchdog reads them).
         self.progress += 1
