@@ -62,8 +62,12 @@ exec /bin/sh -c "$2"
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-qwen3"])
-def test_two_ranks_answer_as_one_process_does(start_daemon: DaemonFactory, model: str) -> None:
-    client = Client(start_daemon(FAST).socket_path)
+def test_two_ranks_answer_as_one_process_does(
+    start_daemon: DaemonFactory, tmp_path: Path, model: str
+) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    client = Client(start_daemon(FAST, env={"TMPDIR": str(tmp)}).socket_path)
     client.load(model, "single")
     loaded = client.load(model, "pair", ranks=2)
     info = runner(client, "pair")
@@ -89,8 +93,22 @@ def test_two_ranks_answer_as_one_process_does(start_daemon: DaemonFactory, model
     stop = single[len(single) // 2 : len(single) // 2 + 2]
     pair, done = client.generate_text("pair", None, messages=chat, max_tokens=12, stop=[stop])
     assert done.finish_reason == "stop" and pair == single[: single.index(stop)]
-    _, done = client.generate_text("pair", PROMPT, max_tokens=4)  # the ranks still agree
-    assert done.generation_tokens == 4
+    # Cancels reach the ranks at different moments, here as a request starts:
+    # every rank still stops at the same point, and the next answer is right.
+    for _ in range(3):
+        with client.generate("pair", PROMPT, max_tokens=LONG) as gen:
+            gen.cancel()
+            list(gen)
+        assert gen.done is not None and gen.done.finish_reason == "cancelled"
+    pair, _ = client.generate_text("pair", PROMPT, max_tokens=24)
+    single, _ = client.generate_text("single", PROMPT, max_tokens=24)
+    assert pair == single and runner(client, "pair").restarts == 0
+    # Unload: every rank reaped, and the ring's host file gone with the group.
+    assert len(ring_dirs(tmp)) == 1
+    client.unload("pair")
+    for pid in pids:
+        assert_reaped(pid)
+    assert ring_dirs(tmp) == []
 
 
 def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
@@ -123,6 +141,12 @@ def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
         assert_reaped(pid)
     text, done = client.generate_text("pair", PROMPT, max_tokens=8)
     assert done.generation_tokens == 8 and text
+    # The daemon killed: every rank goes (pipe EOF, parent-death signal)
+    # without anyone reaping them first.
+    pids = rank_pids(client, "pair")
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.wait()
+    assert wait_exited(pids, timeout_s=5) == []
 
 
 def test_a_frozen_rank_is_killed_by_the_watchdog_and_the_group_restarted(
@@ -152,76 +176,22 @@ def test_a_frozen_rank_is_killed_by_the_watchdog_and_the_group_restarted(
     assert done.generation_tokens == 4
 
 
-def test_unload_reaps_every_rank_and_leaves_no_hostfile(
-    start_daemon: DaemonFactory, tmp_path: Path
-) -> None:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    client = Client(start_daemon(FAST, env={"TMPDIR": str(tmp)}).socket_path)
-    client.load("builtin:tiny", "pair", ranks=2)
-    assert len(ring_dirs(tmp)) == 1  # the ring's host file, while the group lives
-    pids = rank_pids(client, "pair")
-    client.unload("pair")
-    for pid in pids:
-        assert_reaped(pid)
-    assert ring_dirs(tmp) == []
-
-
-def test_ranks_that_die_before_they_are_warm_fail_the_load_without_a_hang(
+def test_groups_that_cannot_load_fail_without_a_hang_and_the_daemon_goes_on(
     start_daemon: DaemonFactory,
 ) -> None:
-    daemon = start_daemon(FAST)
-    client = Client(daemon.socket_path)
+    client = Client(start_daemon(FAST).socket_path)
+    # Ranks that die before they are warm (before this, the load waited forever).
     with pytest.raises(ClientError) as excinfo:
         client.load("builtin:tiny", "pair", ranks=2, env=faults("exit_at_import"))
     assert excinfo.value.code == "load_failed"
     assert "rank" in excinfo.value.message
     assert client.status().runners == []
-    client.load("builtin:tiny", "pair", ranks=2)  # the daemon goes on
-    client.unload("pair")
-
-
-def test_requests_cancelled_as_they_start_leave_the_ranks_in_step(
-    start_daemon: DaemonFactory,
-) -> None:
-    client = Client(start_daemon(FAST).socket_path)
-    client.load("builtin:tiny", "single")
-    client.load("builtin:tiny", "pair", ranks=2)
-    for _ in range(5):  # the Cancel reaches the ranks at different moments
-        with client.generate("pair", PROMPT, max_tokens=LONG) as gen:
-            gen.cancel()
-            list(gen)
-        assert gen.done is not None and gen.done.finish_reason == "cancelled"
-    single, _ = client.generate_text("single", PROMPT, max_tokens=16)
-    pair, _ = client.generate_text("pair", PROMPT, max_tokens=16)
-    assert pair == single
-    assert runner(client, "pair").restarts == 0
-
-
-def test_every_rank_dies_with_the_daemon(start_daemon: DaemonFactory) -> None:
-    daemon = start_daemon(FAST)
-    client = Client(daemon.socket_path)
-    client.load("builtin:tiny", "pair", ranks=2)
-    pids = rank_pids(client, "pair")
-    os.kill(daemon.pid, signal.SIGKILL)
-    daemon.wait()
-    # The parent-death signal: gone without anyone reaping them first.
-    assert wait_exited(pids, timeout_s=5) == []
-
-
-def test_a_model_that_cannot_split_that_way_fails_to_load_and_the_daemon_goes_on(
-    start_daemon: DaemonFactory,
-) -> None:
-    client = Client(start_daemon(FAST).socket_path)
     # builtin:tiny has 4 attention heads: 3 ranks cannot split them.
     with pytest.raises(ClientError) as excinfo:
         client.load("builtin:tiny", "triple", ranks=3)
     assert excinfo.value.code == "load_failed"
     assert "divide by 3" in excinfo.value.message
     assert client.status().runners == []
-    client.load("builtin:tiny")
-    _, done = client.generate_text("tiny", PROMPT, max_tokens=2)
-    assert done.generation_tokens == 2
 
 
 def test_a_group_is_estimated_as_its_ranks_hold_it() -> None:
