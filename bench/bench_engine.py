@@ -51,10 +51,8 @@ import hashlib
 import http.client
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -62,8 +60,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +67,11 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import mlx_device, mlx_lm_server, render_table
+from common import Daemon, fmt, mlx_device, mlx_lm_server, note, render_table, verdict, write_json
+from common import machine_info as common_machine_info
 from runner.builtin import ensure_builtin_model
 from runner.prefix_index import PrefixIndex
 from supervisor.client import Client
-from supervisor.daemon_process import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "engine.json"
@@ -112,11 +108,6 @@ EVICTION_TOKENS = 8
 STATUS_PERIOD_S = 0.05
 
 
-def note(message: str) -> None:
-    """Progress, on stderr (stdout is for the tables)."""
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return float(statistics.median(present)) if present else None
@@ -124,14 +115,6 @@ def median(values: Sequence[float | None]) -> float | None:
 
 def quotient(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
-
-
-def show(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
-    return "-" if value is None else f"{value * scale:{spec}}{unit}"
-
-
-def verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("PASS" if ok else "FAIL")
 
 
 # --- one request on each side -------------------------------------------------------
@@ -291,32 +274,6 @@ def theirs_request(
 # --- the two servers ----------------------------------------------------------------
 
 
-def start_daemon(stack: contextlib.ExitStack, tmp: Path, config: str) -> tuple[Client, Any]:
-    """Our daemon on ``tmp/engine.sock`` with ``config`` (TOML) and state, runtime and
-    config dirs of its own; terminated when ``stack`` closes (its last log lines go to
-    stderr if the run failed). Returns a client and the DaemonProcess."""
-    config_path = tmp / "engine.toml"
-    config_path.write_text(config, encoding="utf-8")
-    env = {"MLX_SUPERVISOR_HTTP": "off"}
-    for variable, name in [
-        ("XDG_STATE_HOME", "state"),
-        ("XDG_RUNTIME_DIR", "run"),
-        ("XDG_CONFIG_HOME", "config"),
-    ]:
-        (tmp / name).mkdir(mode=0o700)
-        env[variable] = str(tmp / name)
-    daemon = DaemonProcess(tmp / "engine.sock", config_path, env=env)
-    stack.enter_context(daemon)
-
-    def show_log_on_error(exc_type: type[BaseException] | None, *_: object) -> bool:
-        if exc_type is not None:
-            note("the daemon's last log lines:\n" + "\n".join(list(daemon.log_lines)[-25:]))
-        return False
-
-    stack.push(show_log_on_error)
-    return Client(daemon.socket_path, timeout_s=REQUEST_TIMEOUT_S), daemon
-
-
 def warm_up(client: Client, name: str, port: int) -> None:
     """One short request on each side (mlx_lm.server loads its model in the background
     after /health answers; both compile their first kernels)."""
@@ -394,7 +351,7 @@ def chat_family(
             note(
                 f"  chat {name} epoch {epoch} turn {turn}: "
                 + ", ".join(
-                    f"{s['side']} {show(s['ttft_s'], '.0f', 1e3, ' ms')}" for s in samples[-3:]
+                    f"{s['side']} {fmt(s['ttft_s'], '.0f', 1e3, ' ms')}" for s in samples[-3:]
                 )
             )
     return {
@@ -470,18 +427,18 @@ def chat_table(model: str, result: dict[str, Any]) -> str:
         rows.append(
             [
                 str(r["turn"]),
-                show(r[f"prompt_tokens_{OURS}"], ".0f"),
-                show(r[f"ttft_{OURS}_s"], ".1f", 1e3, " ms"),
-                show(r["runner_ttft_ours_s"], ".1f", 1e3, " ms"),
-                show(r[f"ttft_{THEIRS}_s"], ".1f", 1e3, " ms"),
-                show(r[f"ttft_{OURS_NO_CACHE}_s"], ".1f", 1e3, " ms"),
-                show(r["ours_over_theirs"], ".2f"),
+                fmt(r[f"prompt_tokens_{OURS}"], ".0f"),
+                fmt(r[f"ttft_{OURS}_s"], ".1f", 1e3, " ms"),
+                fmt(r["runner_ttft_ours_s"], ".1f", 1e3, " ms"),
+                fmt(r[f"ttft_{THEIRS}_s"], ".1f", 1e3, " ms"),
+                fmt(r[f"ttft_{OURS_NO_CACHE}_s"], ".1f", 1e3, " ms"),
+                fmt(r["ours_over_theirs"], ".2f"),
                 verdict(r["target_ours_over_theirs"]),
-                show(r["cache_over_no_cache"], ".2f"),
+                fmt(r["cache_over_no_cache"], ".2f"),
                 verdict(r["target_cache_over_no_cache"]),
-                show(r[f"computed_tokens_{OURS}"], ".0f"),
-                show(r[f"computed_tokens_{THEIRS}"], ".0f"),
-                show(r[f"computed_tokens_{OURS_NO_CACHE}"], ".0f"),
+                fmt(r[f"computed_tokens_{OURS}"], ".0f"),
+                fmt(r[f"computed_tokens_{THEIRS}"], ".0f"),
+                fmt(r[f"computed_tokens_{OURS_NO_CACHE}"], ".0f"),
                 "yes" if r["same_text_ours_theirs"] else "no",
             ]
         )
@@ -622,13 +579,13 @@ def concurrency_table(results: dict[str, list[dict[str, Any]]]) -> str:
                     model,
                     str(c["clients"]),
                     str(len(c["rounds"])),
-                    show(c["aggregate_tps_ours"], ".1f"),
-                    show(c["aggregate_tps_theirs"], ".1f"),
-                    show(c["tps_ratio"], ".2f"),
+                    fmt(c["aggregate_tps_ours"], ".1f"),
+                    fmt(c["aggregate_tps_theirs"], ".1f"),
+                    fmt(c["tps_ratio"], ".2f"),
                     verdict(c["tps_ratio"] >= 1.0),
-                    show(c["slowest_ttft_ours_s"], ".0f", 1e3, " ms"),
-                    show(c["slowest_ttft_theirs_s"], ".0f", 1e3, " ms"),
-                    show(c["slowest_ttft_ratio"], ".2f"),
+                    fmt(c["slowest_ttft_ours_s"], ".0f", 1e3, " ms"),
+                    fmt(c["slowest_ttft_theirs_s"], ".0f", 1e3, " ms"),
+                    fmt(c["slowest_ttft_ratio"], ".2f"),
                     verdict(
                         None if c["slowest_ttft_ratio"] is None else c["slowest_ttft_ratio"] <= 1
                     ),
@@ -714,7 +671,7 @@ def mismatch_table(model: str, m: dict[str, Any]) -> str:
         f"2b. bf16 batch mismatch, {model}, our daemon: {m['requests']} greedy requests x "
         f"{m['tokens']} tokens served together vs each alone (cache=False): "
         f"{m['positions_differing']}/{m['positions_compared']} token positions differ "
-        f"({show(m['mismatch_rate'], '.1%')}); {m['identical_outputs']}/{m['requests']} "
+        f"({fmt(m['mismatch_rate'], '.1%')}); {m['identical_outputs']}/{m['requests']} "
         "outputs identical."
     )
     return title + "\n" + render_table(header, rows)
@@ -834,9 +791,9 @@ def lookup_table(result: dict[str, Any]) -> str:
         rows.append(
             [
                 kind.replace("_", " "),
-                show(s["query_tokens"], ".0f"),
-                *[show(s["us_per_lookup"][n], ".1f", unit=" us") for n in LOOKUP_SIZES],
-                show(ratio, ".2f"),
+                fmt(s["query_tokens"], ".0f"),
+                *[fmt(s["us_per_lookup"][n], ".1f", unit=" us") for n in LOOKUP_SIZES],
+                fmt(ratio, ".2f"),
                 verdict(ratio <= LOOKUP_TARGET),
             ]
         )
@@ -1003,15 +960,15 @@ def eviction_table(e: dict[str, Any]) -> str:
         ["status samples", f"{e['status_samples']} (every {STATUS_PERIOD_S * 1e3:.0f} ms)"],
         [
             "max prefix cache seen",
-            f"{show(e['max_bytes_seen'], '.0f', kib, ' KiB')} of "
-            f"{show(e['budget_bytes_reported'], '.0f', kib, ' KiB')} budget "
+            f"{fmt(e['max_bytes_seen'], '.0f', kib, ' KiB')} of "
+            f"{fmt(e['budget_bytes_reported'], '.0f', kib, ' KiB')} budget "
             f"({e['over_budget_samples']} samples over): {verdict(ok)}",
         ],
         ["max entries seen", str(e["max_entries_seen"])],
         ["hits / misses", f"{f['hits']} / {f['misses']}"],
         ["evictions", str(f["evictions"])],
         ["tokens reused", f"{f['tokens_reused']} of {e['prompt_tokens_total']} prompt tokens"],
-        ["runner peak RSS (VmHWM)", show(e["runner_peak_rss_bytes"], ".0f", 1 / 2**20, " MiB")],
+        ["runner peak RSS (VmHWM)", fmt(e["runner_peak_rss_bytes"], ".0f", 1 / 2**20, " MiB")],
     ]
     title = (
         f"4. {e['requests']} chat requests on builtin:tiny, {EVICTION_SYSTEMS} system "
@@ -1036,25 +993,9 @@ def source_hashes() -> dict[str, str]:
 
 
 def machine_info() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        done = subprocess.run(
-            ["git", *args], cwd=BENCH_DIR.parent, capture_output=True, text=True, check=False
-        )
-        return done.stdout.strip()
-
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "mlx": metadata.version("mlx"),
-        "mlx_lm": metadata.version("mlx-lm"),
-        "mlx_device": mlx_device(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "loadavg_start": list(os.getloadavg()),
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty_files": len(git("status", "--porcelain").splitlines()),
-        "engine_sources_start": source_hashes(),
-    }
+    """The shared machine description, with the engine's source hashes (checked
+    again at the end: a run whose engine changed under it says so)."""
+    return {**common_machine_info(mlx_device()), "engine_sources_start": source_hashes()}
 
 
 def main() -> int:
@@ -1140,7 +1081,7 @@ def main() -> int:
         if table is not None:
             print(table + "\n", flush=True)
         results["wall_s"] = time.perf_counter() - started
-        write_results(results, args.out)
+        write_json(results, args.out)
 
     results["complete"] = False
     if "lookup" in families:
@@ -1158,7 +1099,9 @@ def main() -> int:
         contextlib.ExitStack() as stack,
     ):
         tmp = Path(tmp_name)
-        client, _daemon = start_daemon(stack, tmp, config)
+        client = Daemon.start(
+            stack, tmp, "engine", config, client_timeout_s=REQUEST_TIMEOUT_S
+        ).client
         if "eviction" in families:
             note(f"4. {eviction_requests} requests with a small prefix cache")
             tokenizer = Tokenizer.from_file(str(ensure_builtin_model(TINY) / "tokenizer.json"))
@@ -1202,14 +1145,6 @@ def main() -> int:
     publish(None)
     note(f"done in {results['wall_s']:.0f} s; wrote {args.out}")
     return 0
-
-
-def write_results(results: dict[str, Any], out: Path) -> None:
-    """Write the JSON atomically (a temp file, then a rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(out.suffix + ".tmp")
-    partial.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, out)
 
 
 if __name__ == "__main__":
