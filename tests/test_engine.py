@@ -454,3 +454,8 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     one.engine._prefill_tps = rate
     one.submit("alone: " * 8, max_tokens=2)
     assert one.engine.admission_wait_s() == 0.0
+    # Nor one told not to.
+    never = Harness(tiny, EngineSettings(prefix_cache=False, batch_wait_share=0.0))
+    never.engine._prefill_tps = rate
+    never.submit("alone: " * 8, max_tokens=2)
+    assert never.engine.admission_wait_s() == 0.0

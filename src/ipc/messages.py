@@ -449,6 +449,9 @@ class EngineSettings(msgspec.Struct, frozen=True):
     of the memory available at load without a budget. ``stream_interval_s``:
     a request's text frames go out at most this often (its first token at
     once, its last with the end); 0 sends one frame per token.
+    ``batch_wait_share``: a lone request on an idle engine waits up to this
+    share of its expected prefill (at most 50 ms) for others to prefill
+    with; 0 never waits.
     """
 
     max_concurrent: int = 8
@@ -456,6 +459,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     prefix_cache_bytes: int | None = None
     prefix_cache_entries: int = 256
     stream_interval_s: float = 0.01
+    batch_wait_share: float = 0.02
 
 
 class Distributed(msgspec.Struct, frozen=True):

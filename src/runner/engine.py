@@ -60,12 +60,12 @@ log = structlog.get_logger("runner.engine")
 HEARTBEAT_INTERVAL_S = 0.5
 PREFILL_STEP_TOKENS = 2048
 PREFIX_CACHE_SHARE = 0.25
-ADMISSION_SHARE = 0.02
 ADMISSION_CAP_S = 0.05
-"""A lone request on an idle engine waits for company at most this share of
-its expected prefill time (and never longer than the cap): clients that send
-at once reach the runner a few milliseconds apart, and a long solo prefill
-would make the others wait for all of it. A fast prefill waits ~nothing."""
+"""A lone request on an idle engine waits for company at most
+``batch_wait_share`` of its expected prefill time, and never longer than
+this: clients that send at once reach the runner a few milliseconds apart,
+and a long solo prefill would make the others wait for all of it. A fast
+prefill waits ~nothing."""
 PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
 """The prefix cache's default budget: this share of the runner's memory
 budget, or of the memory available at load when it has none."""
@@ -189,6 +189,7 @@ class Engine:
         self.on_finished = on_finished
         self.max_tokens_cap = max_tokens_cap
         self.stream_interval_s = settings.stream_interval_s
+        self.batch_wait_share = settings.batch_wait_share
         self.batching, self.batching_reason = batchability(model)
         if settings.max_concurrent <= 1 and self.batching:
             self.batching, self.batching_reason = False, "max_concurrent is 1"
@@ -234,7 +235,7 @@ class Engine:
         if self._prefill_tps is None or not self._batchable(job):
             return 0.0
         expected_s = len(job.prompt) / self._prefill_tps
-        window_s = min(ADMISSION_CAP_S, ADMISSION_SHARE * expected_s)
+        window_s = min(ADMISSION_CAP_S, self.batch_wait_share * expected_s)
         return max(0.0, job.received + window_s - time.perf_counter())
 
     def submit(self, request: Generate) -> None:

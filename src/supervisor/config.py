@@ -182,6 +182,10 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prefix_cache: bool = True  # reuse the KV cache of earlier requests' shared prefixes
     prefix_cache_entries: Positive = 256  # sequences a runner's prefix cache keeps at most
     stream_interval_ms: Annotated[int, Meta(ge=0, le=1_000)] = 10  # text frames at most this often
+    # A lone request waits up to this share of its expected prefill (at most
+    # 50 ms) for others to prefill with (vLLM's scheduler delay factor, as a
+    # share); 0: never waits.
+    batch_wait_share: Annotated[float, Meta(ge=0, le=0.5)] = 0.02
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True

@@ -893,6 +893,7 @@ class Registry:
             prefix_cache_bytes=spec.prefix_cache_bytes,
             prefix_cache_entries=config.prefix_cache_entries,
             stream_interval_s=config.stream_interval_ms / 1000,
+            batch_wait_share=config.batch_wait_share,
         )  # fmt: skip
 
     async def clear_cache(self, name: str) -> CacheCleared:
