@@ -45,6 +45,20 @@ def serving_again(client: Client, name: str, old: list[int]) -> bool:
     return info.state == "ready" and None not in pids and not set(pids) & set(old)
 
 
+def signal_mid_stream(client: Client, name: str, pid: int, signum: signal.Signals) -> ClientError:
+    """Send ``signum`` to ``pid`` once ``name`` streams text; the error the stream ends with."""
+    with (
+        client.generate(name, PROMPT, max_tokens=LONG) as gen,
+        pytest.raises(ClientError) as excinfo,
+    ):
+        sent = False
+        for piece in gen:
+            if piece and not sent:  # once: by the next piece it may be reaped
+                os.kill(pid, signum)
+                sent = True
+    return excinfo.value
+
+
 def ring_dirs(tmp: Path) -> list[str]:
     """The ring host files' directories (the daemon writes them) under ``tmp``."""
     return sorted(p.name for p in tmp.glob("mlx-supervisor-ring-*"))
@@ -118,15 +132,9 @@ def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
     client = Client(daemon.socket_path)
     client.load("builtin:tiny", "pair", ranks=2)
     old = rank_pids(client, "pair")
-    with (
-        client.generate("pair", PROMPT, max_tokens=LONG) as gen,
-        pytest.raises(ClientError) as excinfo,
-    ):
-        for piece in gen:
-            if piece:
-                os.kill(old[1], signal.SIGKILL)
-    assert excinfo.value.code == "runner_died"
-    assert "rank 1" in excinfo.value.message and "SIGKILL" in excinfo.value.message
+    error = signal_mid_stream(client, "pair", old[1], signal.SIGKILL)
+    assert error.code == "runner_died"
+    assert "rank 1" in error.message and "SIGKILL" in error.message
     assert wait_exited(old, timeout_s=10) == []
     daemon.wait_until(lambda: serving_again(client, "pair", old))
     info = runner(client, "pair")
@@ -157,16 +165,10 @@ def test_a_frozen_rank_is_killed_by_the_watchdog_and_the_group_restarted(
     client.load("builtin:tiny", "pair", ranks=2)
     old = rank_pids(client, "pair")
     started = time.monotonic()
-    with (
-        client.generate("pair", PROMPT, max_tokens=LONG) as gen,
-        pytest.raises(ClientError) as excinfo,
-    ):
-        for piece in gen:
-            if piece:
-                # Rank 0 now blocks in its next collective: nothing there times out.
-                os.kill(old[1], signal.SIGSTOP)
-    assert excinfo.value.code == "runner_died"
-    assert "rank 1" in excinfo.value.message and "no answer to pings" in excinfo.value.message
+    # Rank 0 then blocks in its next collective: nothing there times out.
+    error = signal_mid_stream(client, "pair", old[1], signal.SIGSTOP)
+    assert error.code == "runner_died"
+    assert "rank 1" in error.message and "no answer to pings" in error.message
     assert time.monotonic() - started < 30, "the watchdog, not a collective, decided"
     assert wait_exited(old, timeout_s=10) == []
     daemon.wait_until(lambda: serving_again(client, "pair", old))
