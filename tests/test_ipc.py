@@ -1312,3 +1312,43 @@ async def test_fd_stream_receive_honours_max_bytes() -> None:
         await a.send(b"abcdef")
         assert await b.receive(4) == b"abcd"
         assert await b.receive(4) == b"ef"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_peer_that_reads_nothing_times_a_send_out_and_frames_never_interleave(
+    transport: str, tmp_path: Path
+) -> None:
+    """Sends write at once while the peer's buffer has room; then one waits
+    (bounded by its timeout: TimeoutError, not a closed channel), and a frame
+    sent meanwhile by another task waits behind it, whole."""
+    text = "x" * 3000
+    with anyio.fail_after(30):
+        async with _channels(transport, tmp_path) as (reader, writer):
+            sent = 0
+            with pytest.raises(TimeoutError):
+                while True:
+                    await writer.send(m.TextChunk(1, text, sent), timeout_s=0.2)
+                    sent += 1
+            assert sent > 0
+    # Two tasks at once on a fresh pair: every frame arrives whole, in some order.
+    async with _channels(transport, tmp_path) as (reader, writer):
+
+        async def burst(request_id: int) -> None:
+            for i in range(200):
+                await writer.send(m.TextChunk(request_id, text, i), timeout_s=10)
+
+        received: list[Any] = []
+
+        async def read_all() -> None:
+            while len(received) < 400:
+                received.append(await reader.recv())
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_all)
+                tg.start_soon(burst, 1)
+                tg.start_soon(burst, 2)
+    for request_id in (1, 2):
+        mine = [r.generation_tokens for r in received if r.request_id == request_id]
+        assert mine == list(range(200)) and all(r.text == text for r in received)

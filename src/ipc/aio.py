@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 
 import anyio
 import msgspec
-from anyio.abc import ByteStream
+from anyio.abc import ByteStream, SocketAttribute
 
 from ipc.framing import ChannelClosed, Codec, FrameSplitter
 from ipc.messages import PROTOCOL_VERSION, Hello, Role
@@ -50,16 +50,22 @@ class FdStream(ByteStream):
     async def send(self, item: bytes) -> None:
         view = memoryview(item)
         while view:
-            if self._closed or self._write_closed:
-                raise anyio.ClosedResourceError
-            try:
-                written = os.write(self.write_fd, view)
-            except BlockingIOError:
+            written = self.write_now(view)
+            if not written:
                 await anyio.wait_writable(self.write_fd)
                 continue
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                raise anyio.BrokenResourceError from exc
             view = view[written:]
+
+    def write_now(self, data: bytes | memoryview) -> int:
+        """Write what the pipe takes of ``data`` now; the bytes written (0: full)."""
+        if self._closed or self._write_closed:
+            raise anyio.ClosedResourceError
+        try:
+            return os.write(self.write_fd, data)
+        except BlockingIOError:
+            return 0
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise anyio.BrokenResourceError from exc
 
     async def send_eof(self) -> None:
         if not self._write_closed:
@@ -93,30 +99,60 @@ class AsyncChannel(Generic[T]):
         self._splitter = FrameSplitter(codec.max_frame_bytes)
         self._bodies: deque[bytes] = deque()
         self._send_lock = anyio.Lock(fast_acquire=True)  # no checkpoint when free
+        self._raw_socket = stream.extra(SocketAttribute.raw_socket, None)
 
-    async def send(self, message: msgspec.Struct) -> None:
-        """Write one frame.
+    async def send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
+        """Write one frame; a write that waits longer than ``timeout_s`` for
+        the peer to read raises TimeoutError (the frame may be half sent).
 
         Raises:
             ChannelClosed: the peer has gone away.
         """
-        await self._send_frame(self.codec.frame(message))
+        await self._send_frame(self.codec.frame(message), timeout_s)
 
-    async def send_body(self, body: bytes) -> None:
+    async def send_body(self, body: bytes, timeout_s: float | None = None) -> None:
         """Write one frame whose body is already encoded (a relayed frame).
 
         Raises:
             ChannelClosed: the peer has gone away.
             ProtocolError: the body is over the frame limit.
         """
-        await self._send_frame(self.codec.frame_body(body))
+        await self._send_frame(self.codec.frame_body(body), timeout_s)
 
-    async def _send_frame(self, frame: bytes) -> None:
-        async with self._send_lock:
+    async def _send_frame(self, frame: bytes, timeout_s: float | None) -> None:
+        """Write ``frame`` at once when the transport takes it (most frames:
+        no task switch, no timer), else what is left as the peer reads."""
+        try:
             try:
-                await self.stream.send(frame)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                raise ChannelClosed(f"peer gone: {exc!r}") from exc
+                self._send_lock.acquire_nowait()  # never yields: nothing runs in between
+            except anyio.WouldBlock:  # another frame is under way: wait our turn
+                with anyio.fail_after(timeout_s):
+                    async with self._send_lock:
+                        await self.stream.send(frame)
+                return
+            try:
+                written = self._write_now(frame)
+                if written < len(frame):  # the rest as the peer reads, still holding the lock
+                    with anyio.fail_after(timeout_s):
+                        await self.stream.send(frame[written:])
+            finally:
+                self._send_lock.release()
+        except TimeoutError:  # an OSError too, but the caller's to handle
+            raise
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise ChannelClosed(f"peer gone: {exc!r}") from exc
+
+    def _write_now(self, frame: bytes) -> int:
+        """Write what the transport takes of ``frame`` without waiting; the
+        bytes written (0 for a transport it cannot write to directly)."""
+        if isinstance(self.stream, FdStream):
+            return self.stream.write_now(frame)
+        if self._raw_socket is None:
+            return 0
+        try:
+            return int(self._raw_socket.send(frame))
+        except BlockingIOError:
+            return 0
 
     async def _next_body(self) -> bytes:
         while not self._bodies:

@@ -113,11 +113,10 @@ class Connection:
         if self.gone:
             raise ClientGone("the client is gone")
         try:
-            with anyio.fail_after(self.write_timeout_s):
-                if body is None:
-                    await self.channel.send(message)
-                else:
-                    await self.channel.send_body(body)
+            if body is None:
+                await self.channel.send(message, self.write_timeout_s)
+            else:
+                await self.channel.send_body(body, self.write_timeout_s)
         except TimeoutError:
             self.gone = True
             with anyio.CancelScope(shield=True):
