@@ -15,9 +15,13 @@ model directory (its defaults: prompt cache of 10 sequences, batching), and meas
    second conversation; target <= 0.2 from turn 3), and the prompt tokens each side
    computed (ours: ``prompt_tokens - cached_tokens``; mlx_lm.server:
    ``usage.prompt_tokens_details.cached_tokens``). The three sides take turns, in an
-   order that rotates every turn. builtin:tiny runs the issue's workload (a ~1,000-token
-   system prompt, 8 turns, 16 tokens per answer). builtin:small runs a scaled-down one
-   (~96 tokens, 6 turns, 8 tokens; --small-* to change it): on 2 shared CPU cores it
+   order that rotates every turn. After each of our answers our runner prefills that
+   chat's next turn while idle (next-turn prefill); every request, on any side, is sent
+   once it has (a person replies later than that; the table says how long it took and
+   how many tokens it computed ahead), so no side is timed beside it. builtin:tiny runs
+   the issue's workload (a ~1,000-token system prompt, 8 turns, 16 tokens per answer).
+   builtin:small runs a scaled-down one (~96 tokens, 6 turns, 8 tokens; --small-* to
+   change it): on 2 shared CPU cores it
    prefills 3-9 tokens/s, so one uncached 1,000-token prompt takes 2-6 minutes, the
    issue's 8-turn run without the cache would take an hour, and a prefill chunk longer
    than ``prefill_stall_s`` (120 s) gets the runner killed as stalled.
@@ -67,7 +71,17 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Daemon, fmt, mlx_device, mlx_lm_server, note, render_table, verdict, write_json
+from common import (
+    Daemon,
+    fmt,
+    mlx_device,
+    mlx_lm_server,
+    note,
+    render_table,
+    runner_info,
+    verdict,
+    write_json,
+)
 from common import machine_info as common_machine_info
 from runner.builtin import ensure_builtin_model
 from runner.prefix_index import PrefixIndex
@@ -314,16 +328,40 @@ def user_line(turn: int) -> str:
     return f"Question {turn}: what does rule {turn * 7} say about {TOPICS[turn % len(TOPICS)]}?"
 
 
+NEXT_TURN_POLL_S = 0.002
+
+
+def next_turn_prefilled(client: Client, name: str) -> tuple[float, int]:
+    """Wait until our runner has prefilled the next turns it owes (it says so in its
+    status: ``next_turn.pending``); returns the wait and the tokens it has computed
+    ahead so far. The daemon pushes no event for it, so its status is polled."""
+    started = time.perf_counter()
+    while True:
+        stats = runner_info(client, name).next_turn
+        if stats is None or stats.pending == 0:
+            return time.perf_counter() - started, stats.tokens if stats is not None else 0
+        if time.perf_counter() - started > REQUEST_TIMEOUT_S:
+            raise TimeoutError(f"{name}'s next-turn prefill did not end: {stats}")
+        time.sleep(NEXT_TURN_POLL_S)
+
+
 def chat_family(
     client: Client, name: str, port: int, tokenizer: Tokenizer, settings: ChatSettings
 ) -> dict[str, Any]:
-    """Three conversations in step, one turn of each in a rotating order."""
+    """Three conversations in step, one turn of each in a rotating order.
+
+    After each of our answers the runner prefills that chat's next turn while it is
+    idle; the next request (on any side) goes once it has, as a person's reply comes
+    seconds later. No side's request meets that work: every side is timed on a quiet
+    machine. What it took (``next_turn_ready_s``, ``ahead_tokens``) is recorded."""
     samples: list[dict[str, Any]] = []
     system_counts = []
+    _, ahead_before = next_turn_prefilled(client, name)
     for epoch in range(settings.epochs):
         system, system_count = system_prompt(tokenizer, settings.system_tokens, epoch)
         system_counts.append(system_count)
         history = {side: [{"role": "system", "content": system}] for side in CHAT_SIDES}
+        ahead_of_this_turn: dict[str, Any] = {}
         for turn in range(1, settings.turns + 1):
             shift = (turn - 1 + epoch) % len(CHAT_SIDES)
             order = CHAT_SIDES[shift:] + CHAT_SIDES[:shift]
@@ -345,9 +383,14 @@ def chat_family(
                     )
                 history[side] = [*messages, {"role": "assistant", "content": sample.text}]
                 texts[side] = sample.text
-                samples.append(
-                    {"epoch": epoch, "turn": turn, "order": list(order), **sample.record()}
-                )
+                record = {"epoch": epoch, "turn": turn, "order": list(order), **sample.record()}
+                ready_s, ahead = next_turn_prefilled(client, name)
+                if side == OURS:  # this turn's start, prefilled after the last answer
+                    record.update(ahead_of_this_turn)
+                    ahead_of_this_turn = {"next_turn_ready_s": ready_s,
+                                          "ahead_tokens": ahead - ahead_before}  # fmt: skip
+                ahead_before = ahead
+                samples.append(record)
             note(
                 f"  chat {name} epoch {epoch} turn {turn}: "
                 + ", ".join(
@@ -385,6 +428,8 @@ def chat_summary(samples: list[dict[str, Any]], settings: ChatSettings) -> list[
             row[f"prompt_tokens_{side}"] = median([s["prompt_tokens"] for s in by_side[side]])
             row[f"computed_tokens_{side}"] = median([s["computed_tokens"] for s in by_side[side]])
         row["runner_ttft_ours_s"] = median([s["runner_ttft_s"] for s in by_side[OURS]])
+        row["ahead_tokens_ours"] = median([s.get("ahead_tokens") for s in by_side[OURS]])
+        row["next_turn_ready_ours_s"] = median([s.get("next_turn_ready_s") for s in by_side[OURS]])
         row["ours_over_theirs"] = median(vs_theirs)
         row["cache_over_no_cache"] = median(vs_no_cache)
         row["same_text_ours_theirs"] = all(
@@ -420,6 +465,8 @@ def chat_table(model: str, result: dict[str, Any]) -> str:
         "computed: ours",
         "theirs",
         "no-cache",
+        "ours ahead",
+        "(ready after)",
         "same text",
     ]
     rows = []
@@ -439,6 +486,8 @@ def chat_table(model: str, result: dict[str, Any]) -> str:
                 fmt(r[f"computed_tokens_{OURS}"], ".0f"),
                 fmt(r[f"computed_tokens_{THEIRS}"], ".0f"),
                 fmt(r[f"computed_tokens_{OURS_NO_CACHE}"], ".0f"),
+                fmt(r["ahead_tokens_ours"], ".0f"),
+                fmt(r["next_turn_ready_ours_s"], ".0f", 1e3, " ms"),
                 "yes" if r["same_text_ours_theirs"] else "no",
             ]
         )
@@ -447,7 +496,10 @@ def chat_table(model: str, result: dict[str, Any]) -> str:
         f"tokens, {settings['turns']} turns x {settings['answer_tokens']} tokens, greedy, "
         f"{settings['epochs']} conversation(s) per side (medians; ratios: of per-"
         "conversation ratios). TTFT = client-side, to the first non-empty text; (runner) = "
-        "the runner's own, from receiving the request to its first token."
+        "the runner's own, from receiving the request to its first token. Ours ahead = "
+        "the tokens of that turn our runner prefilled after the answer before it (the next "
+        "turn's start), done (ready after) that long after the answer; every request was "
+        "sent after that, on each side."
     )
     return title + "\n" + render_table(header, rows)
 

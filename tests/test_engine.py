@@ -25,7 +25,7 @@ from ipc.messages import (
     SamplingParams,
     TextChunk,
 )
-from runner.engine import Engine, _partial_stop, build_prompt_tokens
+from runner.engine import Engine, _partial_stop, build_prompt_tokens, next_turn_prefix
 from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.loading import LoadedModel, load_model
@@ -88,6 +88,14 @@ class Harness:
                 return
             self.engine.step()
         raise AssertionError("the engine did not finish")
+
+    def settle(self, limit: int = 100_000) -> None:
+        """Step until no request and no next-turn prefill is left."""
+        for _ in range(limit):
+            if not self.engine.has_work:
+                return
+            self.engine.step()
+        raise AssertionError("the engine did not settle")
 
     def tokens_of(self, request_id: int) -> int:
         """Tokens the request's frames have covered so far."""
@@ -459,3 +467,136 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     never.engine._prefill_tps = rate
     never.submit("alone: " * 8, max_tokens=2)
     assert never.engine.admission_wait_s() == 0.0
+
+
+# --- next-turn prefill -------------------------------------------------------------
+
+
+def _prompt(model: LoadedModel, messages: list[ChatMessage]) -> list[int]:
+    return build_prompt_tokens(model.tokenizer, Generate(0, messages=messages))
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3"])
+def test_an_idle_engine_prefills_the_next_turn_and_the_turn_computes_only_its_user_line(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    model: LoadedModel = request.getfixturevalue(name)
+    h = Harness(model)
+    history = [ChatMessage("system", "You are terse. " * 20),
+               ChatMessage("user", f"Question 0: {PROMPTS[0]}?")]  # fmt: skip
+    first = h.submit(list(history), max_tokens=12)
+    h.run()
+    stats = h.engine.stats().next_turn
+    assert stats is not None and stats.pending == 1 and stats.prefilled == 0
+    h.settle()
+    stats = h.engine.stats().next_turn
+    assert stats is not None and (stats.pending, stats.prefilled, stats.dropped) == (0, 1, 0)
+    ahead = next_turn_prefix(model.tokenizer, history, h.text(first))
+    assert h.engine.prefix_cache is not None and ahead in h.engine.prefix_cache.index
+    assert stats.tokens > 0
+    for turn in (1, 2):
+        history += [ChatMessage("assistant", h.text(h.next_id - 1)),
+                    ChatMessage("user", f"Question {turn}: {PROMPTS[turn]}?")]  # fmt: skip
+        prompt = _prompt(model, history)
+        ahead = next_turn_prefix(model.tokenizer, history[:-2], history[-2].content)
+        assert prompt[: len(ahead)] == ahead  # what was prefilled is where the turn starts
+        request_id = h.submit(list(history), max_tokens=12)
+        h.run()
+        done = h.done(request_id)
+        # Only the user line and the template's turn markers around it were computed.
+        assert done.cached_tokens == len(ahead), (turn, done)
+        assert done.prompt_tokens - done.cached_tokens < 40
+        assert h.text(request_id) == alone(model, list(history), max_tokens=12)[0]
+        h.settle()
+    assert h.engine.stats().next_turn.prefilled == 3  # type: ignore[union-attr]
+
+
+def test_a_request_that_comes_in_goes_first_and_takes_what_was_prefilled(
+    tiny: LoadedModel,
+) -> None:
+    h = Harness(tiny)
+    history = [ChatMessage("system", "You are terse. " * 40), ChatMessage("user", "Hi?")]
+    first = h.submit(list(history), max_tokens=24)
+    h.run()
+    h.engine._prefill_tps = 40.0  # a slow model: next-turn chunks of a few tokens
+    h.engine.step()  # one chunk of the next turn
+    turn = h.engine.next_turns[0]
+    assert turn.tokens is not None and 0 < turn.done < len(turn.tokens)
+    partial = turn.done
+    history += [ChatMessage("assistant", h.text(first)), ChatMessage("user", "More?")]
+    second = h.submit(list(history), max_tokens=8)
+    h.engine.step()  # the request starts at once, from what the chunk computed
+    assert h.engine.solo is not None and h.engine.solo.job.request_id == second
+    h.run()
+    assert h.done(second).cached_tokens == partial
+    assert h.text(second) == alone(tiny, list(history), max_tokens=8)[0]
+    # The first chat's next turn was this request: resumed, it finds it all in the cache.
+    h.settle()
+    stats = h.engine.stats().next_turn
+    assert stats is not None and stats.prefilled == 2 and stats.dropped == 0
+
+
+def test_next_turn_prefill_is_only_for_chats_that_use_the_cache_and_gives_way_to_memory(
+    tiny: LoadedModel,
+) -> None:
+    chat = [ChatMessage("user", "Hi?")]
+    h = Harness(tiny)
+    h.submit(PROMPTS[0], 8)  # a raw prompt: no turns
+    h.submit(chat, 8, cache=False)  # opted out
+    h.run()
+    assert not h.engine.has_work
+    assert h.engine.stats().next_turn == h.engine.stats().next_turn.__class__()
+    off = Harness(tiny, EngineSettings(next_turn_prefill=False))
+    off.submit(chat, 8)
+    off.run()
+    assert not off.engine.has_work and off.engine.stats().next_turn is None
+    assert Harness(tiny, EngineSettings(prefix_cache=False)).engine.stats().next_turn is None
+    # Under memory pressure (the warning threshold passed) it is dropped, not run.
+    guard = MemoryGuard(MemoryPlan(total_bytes=64 << 30, threshold_pct=0.0))
+    pressed = Harness(tiny, guard=guard)
+    pressed.submit(chat, 8)
+    pressed.run()
+    pressed.settle()
+    stats = pressed.engine.stats().next_turn
+    assert stats is not None and (stats.prefilled, stats.tokens, stats.dropped) == (0, 0, 1)
+    # Past max_concurrent answered chats waiting, the oldest is dropped.
+    few = Harness(tiny, EngineSettings(max_concurrent=2))
+    for i in range(3):
+        few.submit([ChatMessage("user", f"Question {i}?")], 4)
+    few.run()
+    stats = few.engine.stats().next_turn
+    assert stats is not None and (stats.pending, stats.dropped) == (2, 1)
+    few.settle()
+    assert few.engine.stats().next_turn.prefilled == 2  # type: ignore[union-attr]
+
+
+def test_the_admission_wait_counts_only_what_the_prefix_cache_does_not_give(
+    tiny: LoadedModel,
+) -> None:
+    h = Harness(tiny)
+    long = "The supervisor restarts runners that crash, and keeps their queues. " * 20
+    h.submit(long, max_tokens=2)
+    h.run()
+    rate = h.engine._prefill_tps = 10.0  # slow: the whole prompt would wait the 50 ms cap
+    h.submit(long + "Then it answers.", max_tokens=2)
+    job = h.engine.pending[0]
+    job.received = time.perf_counter()
+    wait = h.engine.admission_wait_s()
+    assert job.to_compute is not None and 0 < job.to_compute < len(job.prompt) // 10
+    assert 0.0 < wait <= 0.02 * job.to_compute / rate < 0.05
+    h.run()
+    assert h.done(h.next_id - 1).cached_tokens == len(job.prompt) - job.to_compute
+
+
+def test_a_next_turn_the_cache_could_not_keep_is_not_computed(tiny: LoadedModel) -> None:
+    chat = [ChatMessage("system", "You are terse. " * 30), ChatMessage("user", "Hi?")]
+    one = Harness(tiny)
+    one.submit(chat, 8)
+    one.run()
+    entry_bytes = one.engine.stats().prefix_cache.bytes  # type: ignore[union-attr]
+    h = Harness(tiny, EngineSettings(prefix_cache_bytes=entry_bytes))  # the answer's entry fits
+    h.submit(chat, 8)
+    h.run()
+    h.settle()
+    stats = h.engine.stats().next_turn
+    assert stats is not None and (stats.prefilled, stats.tokens, stats.dropped) == (0, 0, 1)

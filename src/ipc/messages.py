@@ -142,6 +142,17 @@ class PrefixCacheStats(msgspec.Struct, frozen=True):
     tokens_reused: int = 0
 
 
+class NextTurnStats(msgspec.Struct, frozen=True):
+    """Chat turns prefilled ahead: after an answer, while the runner is idle,
+    the conversation as its next request will start (the answer and the
+    template's next user header) goes into the prefix cache."""
+
+    pending: int = 0  # answered chats whose next turn is not prefilled yet
+    prefilled: int = 0  # next turns prefilled in full
+    tokens: int = 0  # tokens computed ahead (partial ones included)
+    dropped: int = 0  # given up: memory pressure, a full queue, an error
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     """A runner's engine: requests in flight and the prefix cache.
 
@@ -155,6 +166,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     batching: bool = False
     batching_reason: str | None = None
     prefix_cache: PrefixCacheStats | None = None  # None: switched off for this model
+    next_turn: NextTurnStats | None = None  # None: next-turn prefill switched off
 
 
 # --- client -> supervisor ----------------------------------------------------
@@ -323,6 +335,7 @@ class RunnerInfo(msgspec.Struct):
     batching: bool | None = None  # None until loaded
     batching_reason: str | None = None  # why not, when batching is False
     prefix_cache: PrefixCacheStats | None = None
+    next_turn: NextTurnStats | None = None  # chat turns prefilled ahead
     ranks: list[RankInfo] = []  # a distributed group: one per rank, rank 0 first
 
 
@@ -451,15 +464,17 @@ class EngineSettings(msgspec.Struct, frozen=True):
     once, its last with the end); 0 sends one frame per token.
     ``batch_wait_share``: a lone request on an idle engine waits up to this
     share of its expected prefill (at most 50 ms) for others to prefill
-    with; 0 never waits.
+    with; 0 never waits. ``next_turn_prefill``: after a chat answer, while
+    idle, prefill the next turn's start into the prefix cache.
     """
 
     max_concurrent: int = 8
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
     prefix_cache_entries: int = 256
-    stream_interval_s: float = 0.01
+    stream_interval_s: float = 0.025
     batch_wait_share: float = 0.02
+    next_turn_prefill: bool = True
 
 
 class Distributed(msgspec.Struct, frozen=True):

@@ -19,6 +19,15 @@ Every request looks up the prefix cache before it starts and, when it ends
 (done or cancelled, after at least one token), stores the cache of its whole
 sequence. One request's failure ends that request only.
 
+After a chat answer, while no request waits or runs, the engine prefills the
+start of that chat's next request (``_NextTurn``): the conversation with the
+answer as the client will send it back, and the template's header of the
+next user turn, as the template renders them. The next turn then computes
+only its new user line. This is work done ahead in time a user spends
+reading and typing; a request that comes in goes first (the next-turn work
+stops at its chunk's end and keeps what it computed), and memory pressure
+or an error just drops it.
+
 Everything here runs on the runner's main thread; the pipe-reader thread
 only reads :attr:`Engine.stats_snapshot` (for Pongs) and flags cancels.
 """
@@ -46,12 +55,13 @@ from ipc.messages import (
     GenerationDone,
     GenerationFailed,
     Heartbeat,
+    NextTurnStats,
     TextChunk,
 )
 from runner.distributed import Group
 from runner.faults import Faults
-from runner.guard import CHECK_EVERY_TOKENS, MemoryGuard, RequestGuard
-from runner.prefix_cache import PrefixCache, PromptCache
+from runner.guard import CHECK_EVERY_TOKENS, MemoryGuard, RequestGuard, assess
+from runner.prefix_cache import PrefixCache, PromptCache, cache_nbytes, prefix_view
 
 __all__ = ["Engine", "batchability", "build_prompt_tokens"]
 
@@ -60,6 +70,8 @@ log = structlog.get_logger("runner.engine")
 HEARTBEAT_INTERVAL_S = 0.5
 PREFILL_STEP_TOKENS = 2048
 PREFIX_CACHE_SHARE = 0.25
+"""The prefix cache's default budget: this share of the runner's memory
+budget, or of the memory available at load when it has none."""
 ADMISSION_CAP_S = 0.05
 """A lone request on an idle engine waits for company at most
 ``batch_wait_share`` of its expected prefill time, and never longer than
@@ -67,8 +79,14 @@ this: clients that send at once reach the runner a few milliseconds apart,
 and a long solo prefill would make the others wait for all of it. A fast
 prefill waits ~nothing."""
 PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
-"""The prefix cache's default budget: this share of the runner's memory
-budget, or of the memory available at load when it has none."""
+NEXT_TURN_CHUNK_S = 0.05
+"""A next-turn prefill computes about this long at a time (by the prefill
+rate measured): a request that comes in waits at most that for it."""
+NEXT_TURN_MIN_CHUNK = 4  # tokens, however slow the model
+NEXT_TURN_FIRST_CHUNK = 256  # tokens, before any prefill rate is measured
+NEXT_TURN_PROBES = ("A", "B")
+"""Two user lines that differ in their first character: the tokens that
+both next-turn renders share are the ones any next turn starts with."""
 
 Send = Callable[[Any], None]
 
@@ -95,6 +113,28 @@ def batchability(model: Any) -> tuple[bool, str | None]:
     return True, None
 
 
+def next_turn_prefix(tokenizer: Any, messages: Sequence[Any], answer: str) -> list[int]:
+    """The tokens every next request of this chat starts with: ``messages``,
+    then ``answer`` as the assistant's turn, then the template's header of
+    the next user turn, as the chat template renders the history (which may
+    differ from the tokens generated: a template may strip the answer, or
+    drop its reasoning). The last shared token is left out: a real user
+    line's first characters may tokenise together with it."""
+    turns = [{"role": m.role, "content": m.content} for m in messages]
+    turns.append({"role": "assistant", "content": answer})
+    first, second = (
+        list(tokenizer.apply_chat_template([*turns, {"role": "user", "content": probe}],
+                                           add_generation_prompt=True))
+        for probe in NEXT_TURN_PROBES
+    )  # fmt: skip
+    shared = 0
+    for a, b in zip(first, second, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return first[: max(0, shared - 1)]
+
+
 class _StoppedInPrefill(Exception):
     """Raised from the prefill callback to leave mlx-lm's generator: for
     memory (``detail`` says why), or cancelled (``detail`` None)."""
@@ -118,6 +158,7 @@ class Job:
     detokenizer: Any
     use_cache: bool
     cached_tokens: int = 0
+    to_compute: int | None = None  # prompt tokens to compute, as admission expects it
     tokens: list[int] = field(default_factory=list)  # generated so far (a stop token included)
     started: float = 0.0  # when its prefill began
     first_token_at: float | None = None
@@ -134,6 +175,20 @@ class Job:
     @property
     def request_id(self) -> int:
         return self.request.request_id
+
+
+@dataclass(eq=False)
+class _NextTurn:
+    """A chat answered: its next turn's start waits to be prefilled.
+
+    ``tokens`` is worked out at its first step (not on the answer's way
+    out); ``cache`` holds ``tokens[:done]`` while it is being computed."""
+
+    messages: Sequence[Any]
+    answer: str
+    tokens: list[int] | None = None
+    cache: PromptCache | None = None
+    done: int = 0
 
 
 @dataclass(eq=False)
@@ -214,13 +269,22 @@ class Engine:
         self._prefill_tps: float | None = None  # prefill tokens/s, a running estimate
         self._progress = 0
         self._last_beat = time.perf_counter()
+        self.next_turn_prefill = settings.next_turn_prefill and self.prefix_cache is not None
+        self.next_turns: deque[_NextTurn] = deque()
+        self._next_turn_counts = {"prefilled": 0, "tokens": 0, "dropped": 0}
         self.stats_snapshot = self.stats()
 
     # --- the outside -----------------------------------------------------------
 
     @property
     def idle(self) -> bool:
+        """No request waits or runs (next-turn prefills may)."""
         return not self.pending and self.solo is None and not self.in_batch
+
+    @property
+    def has_work(self) -> bool:
+        """A request, or a next-turn prefill, waits or runs."""
+        return not self.idle or bool(self.next_turns)
 
     @property
     def active(self) -> int:
@@ -234,7 +298,12 @@ class Engine:
         job = self.pending[0]
         if self._prefill_tps is None or not self._batchable(job):
             return 0.0
-        expected_s = len(job.prompt) / self._prefill_tps
+        if job.to_compute is None:  # what the prefix cache will not give it
+            match = None
+            if job.use_cache and self.prefix_cache is not None:
+                match = self.prefix_cache.index.peek(job.prompt)
+            job.to_compute = len(job.prompt) - (match.reuse if match is not None else 0)
+        expected_s = job.to_compute / self._prefill_tps
         window_s = min(ADMISSION_CAP_S, self.batch_wait_share * expected_s)
         return max(0.0, job.received + window_s - time.perf_counter())
 
@@ -249,16 +318,22 @@ class Engine:
             self.send(GenerationFailed(request.request_id, error, invalid_request=True))
             self.on_finished(request.request_id, None)
             return
+        self._pause_next_turn()  # before admission looks up what the cache holds for it
         self.pending.append(job)
 
     def step(self) -> None:
         """Do one unit of work: start what can start, then one decode step
-        (or prefill chunk) of whatever runs."""
+        (or prefill chunk) of whatever runs; with no request, a chunk of a
+        next-turn prefill."""
+        if self.pending:
+            self._pause_next_turn()
         self._start_pending()
         if self.solo is not None:
             self._step_solo(self.solo)
         elif self.batch is not None:
             self._step_batch(self.batch)
+        elif self.next_turns and not self.pending:
+            self._step_next_turn(self.next_turns[0])
         if self.idle:
             self.faults.end_request()
         elif time.perf_counter() - self._last_beat >= HEARTBEAT_INTERVAL_S:
@@ -272,6 +347,7 @@ class Engine:
         """Drop the prefix cache; returns the entries and bytes dropped."""
         if self.prefix_cache is None:
             return 0, 0
+        self._drop_next_turns()
         dropped = self.prefix_cache.clear()
         self._report()
         return dropped
@@ -295,7 +371,9 @@ class Engine:
             batching=self.batching,
             batching_reason=self.batching_reason,
             prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats(),
-        )
+            next_turn=NextTurnStats(len(self.next_turns), **self._next_turn_counts)
+            if self.next_turn_prefill else None,
+        )  # fmt: skip
 
     # --- starting requests ---------------------------------------------------
 
@@ -713,6 +791,9 @@ class Engine:
             self.guard.emergency_cleanup(f"request {job.request_id} stopped")
         elif cache is not None and job.tokens and job.use_cache and self.prefix_cache is not None:
             self.prefix_cache.store(job.prompt + job.tokens, cache)
+            chat = job.request.messages is not None
+            if self.next_turn_prefill and chat and finish != "cancelled":
+                self._queue_next_turn(job)
         now = time.perf_counter()
         computed = len(job.prompt) - job.cached_tokens
         first = job.first_token_at
@@ -750,6 +831,111 @@ class Engine:
             detail=job.detail,
         )
 
+    # --- next-turn prefill ---------------------------------------------------
+
+    def _queue_next_turn(self, job: Job) -> None:
+        """Queue the prefill of this chat's next turn; past ``max_concurrent``
+        waiting, the oldest is dropped."""
+        assert job.request.messages is not None
+        if len(self.next_turns) >= self.max_concurrent:
+            self._drop_next_turn(self.next_turns[0], "more chats answered than max_concurrent")
+        self.next_turns.append(_NextTurn(job.request.messages, job.text))
+
+    def _step_next_turn(self, turn: _NextTurn) -> None:
+        """One chunk of the first waiting next-turn prefill (about
+        NEXT_TURN_CHUNK_S of compute); stored when it is whole."""
+        try:
+            plan = self.guard.plan
+            if plan is not None:
+                verdict = assess(self.guard.refresh(), plan)
+                if verdict.warn or verdict.critical:  # work ahead is the first to go
+                    self._drop_next_turn(turn, "memory pressure", keep=False)
+                    self._report()
+                    return
+            if turn.cache is None and not self._resume_next_turn(turn):
+                return
+            assert turn.tokens is not None and turn.cache is not None
+            rate = self._prefill_tps
+            size = NEXT_TURN_FIRST_CHUNK if rate is None else int(rate * NEXT_TURN_CHUNK_S)
+            size = max(NEXT_TURN_MIN_CHUNK, min(size, PREFILL_STEP_TOKENS))
+            chunk = turn.tokens[turn.done : turn.done + size]
+            self.model(mx.array(chunk)[None], cache=turn.cache)
+            mx.eval([layer.state for layer in turn.cache])
+            turn.done += len(chunk)
+            self._next_turn_counts["tokens"] += len(chunk)
+            if turn.done >= len(turn.tokens):
+                self.next_turns.remove(turn)
+                if self._store_next_turn(turn):
+                    self._next_turn_counts["prefilled"] += 1
+                else:
+                    self._next_turn_counts["dropped"] += 1
+                self._report()
+        except Exception as exc:  # work done ahead never fails a request
+            log.warning("next_turn_prefill_failed", error=repr(exc))
+            self._drop_next_turn(turn, repr(exc), keep=False)
+            self._report()
+
+    def _resume_next_turn(self, turn: _NextTurn) -> bool:
+        """Work out the tokens (the first time) and start from the longest
+        prefix the cache holds; False when there is nothing to do (the cache
+        holds it all but a token), or it could not be kept (then dropped)."""
+        prefix_cache = self.prefix_cache
+        assert prefix_cache is not None
+        if turn.tokens is None:
+            turn.tokens = next_turn_prefix(self.tokenizer, turn.messages, turn.answer)
+        match = prefix_cache.index.peek(turn.tokens)
+        turn.done = match.reuse if match is not None else 0
+        if turn.done >= len(turn.tokens) - 1:
+            self.next_turns.remove(turn)
+            if len(turn.tokens) > 1:
+                self._next_turn_counts["prefilled"] += 1
+            self._report()
+            return False
+        if match is not None:  # its bytes grow with its tokens: would it fit at all?
+            expected = cache_nbytes(match.value) * len(turn.tokens) // len(match.key)
+            if expected > prefix_cache.index.budget_bytes:
+                self._drop_next_turn(turn, "larger than the prefix cache's budget", keep=False)
+                self._report()
+                return False
+        turn.cache = (prefix_view(match.value, match.reuse) if match is not None
+                      else make_prompt_cache(self.model))  # fmt: skip
+        return True
+
+    def _pause_next_turn(self) -> None:
+        """A request came in: the next-turn prefill under way stores what it
+        computed (that request may be this very chat's next turn) and waits;
+        it resumes from the cache when the engine is idle again."""
+        turn = self.next_turns[0] if self.next_turns else None
+        if turn is None or turn.cache is None:
+            return
+        try:
+            self._store_next_turn(turn)
+        except Exception as exc:  # work done ahead never fails a request
+            log.warning("next_turn_prefill_failed", error=repr(exc))
+            self._drop_next_turn(turn, repr(exc), keep=False)
+
+    def _store_next_turn(self, turn: _NextTurn) -> bool:
+        """Keep what ``turn`` computed; False if the cache would not take it."""
+        cache, turn.cache = turn.cache, None
+        if cache is None or turn.tokens is None or self.prefix_cache is None or not turn.done:
+            return False
+        return self.prefix_cache.store(turn.tokens[: turn.done], cache)
+
+    def _drop_next_turn(self, turn: _NextTurn, why: str, *, keep: bool = True) -> None:
+        """Give ``turn`` up; what it computed stays in the cache if ``keep``."""
+        log.info("next_turn_prefill_dropped", why=why, tokens_done=turn.done)
+        self._next_turn_counts["dropped"] += 1
+        if turn in self.next_turns:
+            self.next_turns.remove(turn)
+        if keep:
+            self._store_next_turn(turn)
+        turn.cache = None
+
+    def _drop_next_turns(self) -> None:
+        """Forget every waiting next-turn prefill, and what they computed."""
+        self._next_turn_counts["dropped"] += len(self.next_turns)
+        self.next_turns.clear()
+
     def _fail(self, job: Job, exc: BaseException) -> None:
         job.ready = len(job.text)
         self._flush(job)
@@ -763,7 +949,9 @@ class Engine:
         self.send(EngineReport(self.stats_snapshot))
 
     def _evict_for_memory(self) -> None:
-        """The memory guard's first resort: the whole prefix cache goes."""
+        """The memory guard's first resort: the whole prefix cache goes (and
+        the next turns waiting to be prefilled into it)."""
+        self._drop_next_turns()
         if self.prefix_cache is not None and len(self.prefix_cache.index):
             freed = self.prefix_cache.evict(None)
             log.warning("prefix_cache_evicted_for_memory", freed_bytes=freed)

@@ -174,7 +174,7 @@ class Runner:
         """
         while True:
             engine = self.engine
-            busy = engine is not None and not engine.idle
+            busy = engine is not None and engine.has_work
             try:
                 if not busy:
                     command = self.commands.get()

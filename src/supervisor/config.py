@@ -111,6 +111,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrent: Concurrency | None = None  # requests served side by side (default: daemon's)
     prefix_cache: bool | None = None  # keep a KV prefix cache (default: daemon's)
     prefix_cache_bytes: Bytes | None = None  # its budget (default: 25% of the memory budget)
+    next_turn_prefill: bool | None = None  # prefill chats' next turns (default: daemon's)
     # Shard the model over this many processes on this machine with
     # mx.distributed (tensor parallel where the architecture has ``shard``,
     # else pipeline); they are supervised as one unit.
@@ -181,11 +182,15 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_concurrent: Concurrency = 8  # requests a model serves side by side (1: one at a time)
     prefix_cache: bool = True  # reuse the KV cache of earlier requests' shared prefixes
     prefix_cache_entries: Positive = 256  # sequences a runner's prefix cache keeps at most
-    stream_interval_ms: Annotated[int, Meta(ge=0, le=1_000)] = 10  # text frames at most this often
+    stream_interval_ms: Annotated[int, Meta(ge=0, le=1_000)] = 25  # text frames at most this often
     # A lone request waits up to this share of its expected prefill (at most
     # 50 ms) for others to prefill with (vLLM's scheduler delay factor, as a
     # share); 0: never waits.
     batch_wait_share: Annotated[float, Meta(ge=0, le=0.5)] = 0.02
+    # After a chat answer, while the model is idle, prefill the start of the
+    # chat's next request (the answer as the history will hold it, and the
+    # template's next user header) into the prefix cache.
+    next_turn_prefill: bool = True
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True

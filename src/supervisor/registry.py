@@ -305,6 +305,7 @@ class ModelEntry:
             batching=engine.batching if engine is not None else None,
             batching_reason=engine.batching_reason if engine is not None else None,
             prefix_cache=engine.prefix_cache if engine is not None else None,
+            next_turn=engine.next_turn if engine is not None else None,
             ranks=handle.rank_info() if isinstance(handle, RunnerGroup) else [],
         )
 
@@ -894,6 +895,8 @@ class Registry:
             prefix_cache_entries=config.prefix_cache_entries,
             stream_interval_s=config.stream_interval_ms / 1000,
             batch_wait_share=config.batch_wait_share,
+            next_turn_prefill=spec.next_turn_prefill if spec.next_turn_prefill is not None
+            else config.next_turn_prefill,
         )  # fmt: skip
 
     async def clear_cache(self, name: str) -> CacheCleared:
@@ -1059,6 +1062,7 @@ class Registry:
                 entry.slots.release_on_behalf_of(waiter)
             entry.leave_queue(waiter)
             if cancel.is_set():  # the client cancelled or left while in line
+                entry.log.info("request_left_queue", waiting=len(entry.waiters))
                 await self._end_cancelled_in_line(emit)
                 return
             raise RequestError("not_ready", self._timeout_message(entry))
