@@ -43,7 +43,7 @@ case "$command" in
     ensure_venv
     # Two workers: most tests wait on child processes, so two run side by side even on
     # two cores. TEST_WORKERS=0 runs them in this process (for pdb, or -x).
-    exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" "$@"
+    exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"
     ;;
   lint)
     ensure_venv

@@ -24,6 +24,11 @@ class DaemonStartError(Exception):
     """The daemon exited or never said it was serving."""
 
 
+WAIT_RECHECK_S = 0.25
+"""How long :meth:`DaemonProcess.wait_until` waits for a log line before it
+checks its condition again anyway."""
+
+
 class DaemonProcess:
     """A ``mlx-supervisor serve`` child; its stderr is kept in ``log_lines``.
 
@@ -122,7 +127,10 @@ class DaemonProcess:
         return self._reader is not None and self._reader.is_alive()
 
     def wait_until(self, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-        """Re-check ``condition`` each time the daemon logs something, until true.
+        """Re-check ``condition`` each time the daemon logs something, until true,
+        and at least every WAIT_RECHECK_S: not every change of state is logged
+        (a runner's figures, a request that starts in a batch), and the line
+        that announces one may come just before it shows.
 
         Raises:
             TimeoutError: still false after ``timeout_s``.
@@ -133,8 +141,9 @@ class DaemonProcess:
             if condition():
                 return
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.wait_for_lines(seen, remaining):
+            if remaining <= 0:
                 raise TimeoutError(f"condition not met within {timeout_s}s")
+            self.wait_for_lines(seen, min(remaining, WAIT_RECHECK_S))
 
     def records(self) -> list[dict[str, object]]:
         """The daemon's JSON log records so far, oldest first."""

@@ -33,8 +33,8 @@ from runner.main import EXIT_PROTOCOL
 from supervisor.client import Client
 
 SEED = int(os.environ.get("FUZZ_SEED", "6"))
-DAEMON_CASES = int(os.environ.get("FUZZ_DAEMON_CASES", "150"))
-RUNNER_CASES = int(os.environ.get("FUZZ_RUNNER_CASES", "30"))
+DAEMON_CASES = int(os.environ.get("FUZZ_DAEMON_CASES", "100"))
+RUNNER_CASES = int(os.environ.get("FUZZ_RUNNER_CASES", "20"))
 
 
 def test_cases_are_the_same_for_the_same_seed() -> None:

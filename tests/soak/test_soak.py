@@ -1,4 +1,4 @@
-"""The crash-recovery soak, short version (SOAK_DURATION_S, default 10 s)."""
+"""The crash-recovery soak, short version (SOAK_DURATION_S, default 6 s)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 from soak_run import report, run_soak
 
-DURATION_S = float(os.environ.get("SOAK_DURATION_S", "10"))
+DURATION_S = float(os.environ.get("SOAK_DURATION_S", "6"))
 
 
 @pytest.mark.soak
