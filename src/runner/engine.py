@@ -325,8 +325,6 @@ class Engine:
         """Do one unit of work: start what can start, then one decode step
         (or prefill chunk) of whatever runs; with no request, a chunk of a
         next-turn prefill."""
-        if self.pending:
-            self._pause_next_turn()
         self._start_pending()
         if self.solo is not None:
             self._step_solo(self.solo)
@@ -849,7 +847,7 @@ class Engine:
             if plan is not None:
                 verdict = assess(self.guard.refresh(), plan)
                 if verdict.warn or verdict.critical:  # work ahead is the first to go
-                    self._drop_next_turn(turn, "memory pressure", keep=False)
+                    self._drop_next_turn(turn, "memory pressure")
                     self._report()
                     return
             if turn.cache is None and not self._resume_next_turn(turn):
@@ -872,7 +870,7 @@ class Engine:
                 self._report()
         except Exception as exc:  # work done ahead never fails a request
             log.warning("next_turn_prefill_failed", error=repr(exc))
-            self._drop_next_turn(turn, repr(exc), keep=False)
+            self._drop_next_turn(turn, repr(exc))
             self._report()
 
     def _resume_next_turn(self, turn: _NextTurn) -> bool:
@@ -894,7 +892,7 @@ class Engine:
         if match is not None:  # its bytes grow with its tokens: would it fit at all?
             expected = cache_nbytes(match.value) * len(turn.tokens) // len(match.key)
             if expected > prefix_cache.index.budget_bytes:
-                self._drop_next_turn(turn, "larger than the prefix cache's budget", keep=False)
+                self._drop_next_turn(turn, "larger than the prefix cache's budget")
                 self._report()
                 return False
         turn.cache = (prefix_view(match.value, match.reuse) if match is not None
@@ -912,7 +910,7 @@ class Engine:
             self._store_next_turn(turn)
         except Exception as exc:  # work done ahead never fails a request
             log.warning("next_turn_prefill_failed", error=repr(exc))
-            self._drop_next_turn(turn, repr(exc), keep=False)
+            self._drop_next_turn(turn, repr(exc))
 
     def _store_next_turn(self, turn: _NextTurn) -> bool:
         """Keep what ``turn`` computed; False if the cache would not take it."""
@@ -921,14 +919,12 @@ class Engine:
             return False
         return self.prefix_cache.store(turn.tokens[: turn.done], cache)
 
-    def _drop_next_turn(self, turn: _NextTurn, why: str, *, keep: bool = True) -> None:
-        """Give ``turn`` up; what it computed stays in the cache if ``keep``."""
+    def _drop_next_turn(self, turn: _NextTurn, why: str) -> None:
+        """Give ``turn`` up, and what it computed (a paused one stored that already)."""
         log.info("next_turn_prefill_dropped", why=why, tokens_done=turn.done)
         self._next_turn_counts["dropped"] += 1
         if turn in self.next_turns:
             self.next_turns.remove(turn)
-        if keep:
-            self._store_next_turn(turn)
         turn.cache = None
 
     def _drop_next_turns(self) -> None:
