@@ -197,7 +197,7 @@ def test_an_on_demand_load_that_failed_with_no_one_left_waiting_is_tried_again(
 ) -> None:
     ensure_builtin_model("builtin:tiny")  # made already: only the fault can stall the load
     hung = f"hang_at_load=c,once={tmp_path / 'hung-once'}"  # the first load hangs, no later one
-    config = ("load_stall_s = 5.0\nstall_kill_grace_s = 0.3\n"  # a fresh load: under 5 s
+    config = ("load_stall_s = 8.0\nstall_kill_grace_s = 0.3\n"  # a fresh load: under 8 s, busy
               f'[[models]]\nname = "m"\nmodel = "builtin:tiny"\n'
               f'env = {{ MLX_SUPERVISOR_FAULTS = "{hung}" }}\n')  # fmt: skip
     daemon = start_daemon(config, env={HTTP_ENV: "127.0.0.1:0"})
