@@ -45,6 +45,7 @@ from ipc.messages import (
     Started,
     TextChunk,
 )
+from runner import import_cache
 from runner.faults import Faults
 from runner.guard import MemoryGuard, MemoryGuardError
 from runner.logs import configure_logging
@@ -430,6 +431,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         log.error("fault_exit_at_import")
         os._exit(1)
     started = time.perf_counter()
+    import_cache.install()  # transformers' import table from disk: half the import
     import mlx_lm  # noqa: F401  (paid once here, before a LoadModel arrives)
 
     import_s = time.perf_counter() - started
