@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections import deque
@@ -33,6 +34,12 @@ class FdStream(ByteStream):
         os.set_blocking(write_fd, False)
         self._closed = False
         self._write_closed = False  # by send_eof: its fd number may be reused
+        # On asyncio the read fd stays in the selector while a reader keeps
+        # coming back for more (see _wait_readable_asyncio).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._asyncio: bool | None = None  # False: not on asyncio (known at the first wait)
+        self._watching = False
+        self._waiter: asyncio.Future[None] | None = None
 
     async def receive(self, max_bytes: int = _READ_CHUNK) -> bytes:
         while True:
@@ -41,11 +48,51 @@ class FdStream(ByteStream):
             try:
                 data = os.read(self.read_fd, max_bytes)
             except BlockingIOError:
-                await anyio.wait_readable(self.read_fd)
+                if self._loop is None and self._asyncio is not False:
+                    try:
+                        self._loop = asyncio.get_running_loop()
+                    except RuntimeError:  # another backend (trio)
+                        self._asyncio = False
+                if self._loop is not None:
+                    await self._wait_readable_asyncio(self._loop)
+                else:
+                    await anyio.wait_readable(self.read_fd)
                 continue
             if not data:
                 raise anyio.EndOfStream
             return data
+
+    async def _wait_readable_asyncio(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until the read fd is readable (or the stream is closed).
+
+        ``anyio.wait_readable`` adds the fd to the selector and removes it
+        again on every call: two ``epoll_ctl`` calls and a handle per frame
+        from a runner. Here the fd stays registered while each readiness
+        finds a reader waiting; one that finds none (the reader is busy
+        elsewhere) unregisters it, so a level-triggered selector never spins.
+        """
+        if self._waiter is not None:
+            raise anyio.BusyResourceError("reading from")
+        waiter = self._waiter = loop.create_future()
+        if not self._watching:
+            loop.add_reader(self.read_fd, self._on_readable)
+            self._watching = True
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _on_readable(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self._watching and self._loop is not None:
+            self._loop.remove_reader(self.read_fd)
+        self._watching = False
 
     async def send(self, item: bytes) -> None:
         view = memoryview(item)
@@ -81,6 +128,10 @@ class FdStream(ByteStream):
         if self._closed:
             return
         self._closed = True
+        self._unwatch()  # out of the selector before its number can be reused
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the blocked receive sees the stream closed
         self._close_fd(self.read_fd)
         await self.send_eof()
 

@@ -410,6 +410,8 @@ class Engine:
         """Start the waiting requests that can start, in arrival order; one
         that fails to start fails alone. Cancelled ones end wherever they are
         in line (in a group, where every rank agrees: at the prefill's start)."""
+        if not self.pending:  # the usual case, every token
+            return
         if self.group is None and any(self.is_cancelled(j.request_id) for j in self.pending):
             for job in [j for j in self.pending if self.is_cancelled(j.request_id)]:
                 self.pending.remove(job)

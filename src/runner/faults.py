@@ -125,6 +125,8 @@ class Faults:
 
     def at_token(self, n: int) -> None:
         """Apply the per-token faults; ``n`` counts generated tokens from 1."""
+        if not self._items:  # the usual case, every token
+            return
         if "crash_at_token" in self:
             at, _, sig = self.arg("crash_at_token").partition(":")
             if n == int(at):

@@ -103,7 +103,8 @@ class Runner:
     def __init__(self, channel: BlockingChannel[RunnerCommand], faults: Faults) -> None:
         self.channel = channel
         self.faults = faults
-        self.commands: queue.Queue[RunnerCommand] = queue.Queue()
+        # SimpleQueue: the busy loop looks at it every token, and its empty() takes no lock.
+        self.commands: queue.SimpleQueue[RunnerCommand] = queue.SimpleQueue()
         # Requests received but not finished, and which of them were cancelled:
         # a Cancel that overtakes its request's start is kept, never lost.
         self.pending: set[int] = set()
@@ -182,7 +183,7 @@ class Runner:
                 elif engine is not None and (wait_s := engine.admission_wait_s()) > 0:
                     command = self.commands.get(timeout=wait_s)  # company for a lone request
                 else:
-                    command = self.commands.get_nowait()
+                    command = None if self.commands.empty() else self.commands.get_nowait()
             except queue.Empty:
                 command = None
             if isinstance(command, Shutdown):
