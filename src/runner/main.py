@@ -177,13 +177,14 @@ class Runner:
         while True:
             engine = self.engine
             busy = engine is not None and engine.has_work
+            command: RunnerCommand | None = None
             try:
                 if not busy:
                     command = self.commands.get()
                 elif engine is not None and (wait_s := engine.admission_wait_s()) > 0:
                     command = self.commands.get(timeout=wait_s)  # company for a lone request
-                else:
-                    command = None if self.commands.empty() else self.commands.get_nowait()
+                elif not self.commands.empty():
+                    command = self.commands.get_nowait()
             except queue.Empty:
                 command = None
             if isinstance(command, Shutdown):
