@@ -25,7 +25,13 @@ from ipc.messages import (
     SamplingParams,
     TextChunk,
 )
-from runner.engine import Engine, _partial_stop, build_prompt_tokens, next_turn_prefix
+from runner.engine import (
+    ADMISSION_FIRST_S,
+    Engine,
+    _partial_stop,
+    build_prompt_tokens,
+    next_turn_prefix,
+)
 from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.loading import LoadedModel, load_model
@@ -437,18 +443,26 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
 ) -> None:
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     first = h.submit("no estimate yet: " * 4, max_tokens=2)
-    assert h.engine.admission_wait_s() == 0.0  # nothing measured: it starts at once
+    h.engine.pending[0].received = time.perf_counter()
+    assert 0.0 < h.engine.admission_wait_s() <= ADMISSION_FIRST_S  # nothing measured yet
     h.run()
     rate = h.engine._prefill_tps
     assert rate is not None and rate > 0  # measured on that prefill
-    h.engine._prefill_tps = rate = 10.0  # as slow as a big model: a wait worth having
+    h.engine._prefill_tps = rate = 25.0  # as slow as a big model: a wait worth having
     h.submit("the same length of prompt, again: " * 4, max_tokens=2)
     h.engine.pending[0].received = time.perf_counter()  # (however slow this machine is now)
     wait = h.engine.admission_wait_s()
     prompt = len(h.engine.pending[0].prompt)
     assert 0.0 < wait <= min(0.05, 0.02 * prompt / rate)
-    h.submit("a second request ends the wait", max_tokens=2)
-    assert h.engine.admission_wait_s() == 0.0  # two can start together
+    # A second request is one more prefill to share: the wait grows (to the cap).
+    h.submit("a second request, as long as the first: " * 4, max_tokens=2)
+    both = sum(len(job.prompt) for job in h.engine.pending)
+    longer = h.engine.admission_wait_s()
+    assert wait < longer <= min(0.05, 0.02 * both / rate)
+    # A full batch starts at once.
+    h.engine.max_concurrent = 3
+    h.submit("a third fills the batch", max_tokens=2)
+    assert h.engine.admission_wait_s() == 0.0
     h.run()
     assert h.done(first).finish_reason == "length"
     # Prefills in a batch feed the estimate too: the first round can wait.

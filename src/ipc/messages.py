@@ -462,9 +462,9 @@ class EngineSettings(msgspec.Struct, frozen=True):
     of the memory available at load without a budget. ``stream_interval_s``:
     a request's text frames go out at most this often (its first token at
     once, its last with the end); 0 sends one frame per token.
-    ``batch_wait_share``: a lone request on an idle engine waits up to this
-    share of its expected prefill (at most 50 ms) for others to prefill
-    with; 0 never waits. ``next_turn_prefill``: after a chat answer, while
+    ``batch_wait_share``: requests on an idle engine wait up to this share of
+    the prefill they all expect (at most 50 ms) for others to prefill with;
+    0 never waits. ``next_turn_prefill``: after a chat answer, while
     idle, prefill the next turn's start into the prefix cache.
     """
 

@@ -73,11 +73,13 @@ PREFIX_CACHE_SHARE = 0.25
 """The prefix cache's default budget: this share of the runner's memory
 budget, or of the memory available at load when it has none."""
 ADMISSION_CAP_S = 0.05
-"""A lone request on an idle engine waits for company at most
-``batch_wait_share`` of its expected prefill time, and never longer than
-this: clients that send at once reach the runner a few milliseconds apart,
-and a long solo prefill would make the others wait for all of it. A fast
-prefill waits ~nothing."""
+"""Requests on an idle engine wait for company at most ``batch_wait_share``
+of their expected prefill time, and never longer than this (see
+:meth:`Engine.admission_wait_s`). A fast prefill waits ~nothing."""
+ADMISSION_FIRST_S = 0.01
+"""The wait before a runner's first prefill, whose speed is not known yet:
+on a big model the clients that sent beside the first would otherwise wait
+for all of its prefill (seconds), on a small one it costs 10 ms once."""
 PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
 NEXT_TURN_CHUNK_S = 0.05
 """A next-turn prefill computes about this long at a time (by the prefill
@@ -291,21 +293,36 @@ class Engine:
         return (self.solo is not None) + len(self.in_batch)
 
     def admission_wait_s(self) -> float:
-        """How much longer to wait for more requests before starting the one
-        waiting alone on an idle engine (0: start now)."""
-        if self.solo is not None or self.batch is not None or len(self.pending) != 1:
+        """How much longer to wait for more requests before starting those
+        waiting on an idle engine (0: start now).
+
+        Clients that send at once reach the runner milliseconds apart; a
+        prefill started for the first few makes the rest wait for all of it.
+        So the requests wait, from the first one's arrival, for
+        ``batch_wait_share`` of the prefill they all expect (at most
+        ADMISSION_CAP_S): each newcomer lengthens the wait a little, as it
+        is one more prefill to share. A full batch starts at once."""
+        if self.solo is not None or self.batch is not None or not self.pending:
             return 0.0
-        job = self.pending[0]
-        if self._prefill_tps is None or not self._batchable(job):
+        if len(self.pending) >= self.max_concurrent or self.batch_wait_share <= 0:
             return 0.0
-        if job.to_compute is None:  # what the prefix cache will not give it
+        if not all(self._batchable(job) for job in self.pending):
+            return 0.0
+        if self._prefill_tps is None:  # the runner's first prefill: its speed is not known yet
+            window_s = ADMISSION_FIRST_S
+        else:
+            expected_s = sum(self._to_compute(job) for job in self.pending) / self._prefill_tps
+            window_s = min(ADMISSION_CAP_S, self.batch_wait_share * expected_s)
+        return max(0.0, self.pending[0].received + window_s - time.perf_counter())
+
+    def _to_compute(self, job: Job) -> int:
+        """The prompt tokens ``job`` will compute: what the prefix cache will not give it."""
+        if job.to_compute is None:
             match = None
             if job.use_cache and self.prefix_cache is not None:
                 match = self.prefix_cache.index.peek(job.prompt)
             job.to_compute = len(job.prompt) - (match.reuse if match is not None else 0)
-        expected_s = job.to_compute / self._prefill_tps
-        window_s = min(ADMISSION_CAP_S, self.batch_wait_share * expected_s)
-        return max(0.0, job.received + window_s - time.perf_counter())
+        return job.to_compute
 
     def submit(self, request: Generate) -> None:
         """Queue ``request``; a request that cannot run fails at once."""

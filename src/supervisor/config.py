@@ -183,9 +183,10 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prefix_cache: bool = True  # reuse the KV cache of earlier requests' shared prefixes
     prefix_cache_entries: Positive = 256  # sequences a runner's prefix cache keeps at most
     stream_interval_ms: Annotated[int, Meta(ge=0, le=1_000)] = 25  # text frames at most this often
-    # A lone request waits up to this share of its expected prefill (at most
-    # 50 ms) for others to prefill with (vLLM's scheduler delay factor, as a
-    # share); 0: never waits.
+    # Requests on an idle model wait, from the first one's arrival, up to this
+    # share of the prefill they all expect (at most 50 ms; 10 ms before a
+    # runner's first prefill) for others to prefill with (vLLM's scheduler
+    # delay factor, as a share); a full batch starts at once; 0: never waits.
     batch_wait_share: Annotated[float, Meta(ge=0, le=0.5)] = 0.02
     # After a chat answer, while the model is idle, prefill the start of the
     # chat's next request (the answer as the history will hold it, and the
