@@ -16,7 +16,8 @@ sides and never running both models at once:
    beside ``del model; gc.collect(); mx.clear_cache()`` in a python process;
 5. per-token, as a user sees it: the rate of ``mlx-supervisor generate --json``
    streaming from the daemon, read from its stdout, / ``stream_generate`` in a fresh
-   python process, on builtin:tiny (``--per-token-only`` runs this one alone).
+   python process, on builtin:tiny; each round a fresh runner and worker, with
+   several timed pairs back to back (``--per-token-only`` runs this one alone).
 
 The machine is shared and noisy, so every figure is a ratio or a difference of
 things measured in this same run. It prints a table and writes the JSON
@@ -78,6 +79,7 @@ DEFAULT_OUT = RESULTS_DIR / "daemon.json"
 
 IPC_MODEL = "builtin:tiny"  # ~1 MB: its compute is tiny, so the IPC overhead stands out
 PER_TOKEN_MODEL = IPC_MODEL  # ~1-3 ms a token on CPU: what the daemon adds per token shows
+PER_TOKEN_PAIRS = 5  # timed pairs per round of figure 5, back to back
 DECODE_PROMPT = "The supervisor starts one runner process for every model it serves."
 TTFT_PROMPT = "Hello"
 
@@ -931,56 +933,79 @@ def cli_generate(
 
 
 def bench_per_token(
-    d: Daemon, path: Path, rounds: int, max_tokens: int, warmup_tokens: int, tmp: Path
+    d: Daemon,
+    path: Path,
+    rounds: int,
+    max_tokens: int,
+    warmup_tokens: int,
+    tmp: Path,
+    pairs: int = PER_TOKEN_PAIRS,
 ) -> dict[str, Any]:
-    """Per round, on builtin:tiny (alternating which side goes first): the CLI's
-    ``generate --json`` streaming from the daemon, and ``stream_generate`` in a fresh
-    ``inproc_worker.py``. Both sides are fresh processes every round (a new runner
-    through the daemon, a new worker), since a process keeps its own decode speed for
-    its lifetime; each serves a ``warmup_tokens`` generation first, untimed.
+    """Per round, on builtin:tiny: a fresh runner through the daemon and a fresh
+    ``inproc_worker.py`` (a process keeps its own decode speed for its lifetime), both
+    loaded and warmed up (a ``warmup_tokens`` generation each, untimed); then ``pairs``
+    timed pairs, alternating which side goes first: the CLI's ``generate --json``
+    streaming from the daemon, and ``stream_generate`` in the worker. Only one side
+    computes at a time.
+
+    This VM's speed changes in phases of seconds (the same decode runs at 450 or 700
+    tok/s), so one long sample per side and round can land in different phases; a
+    round's ratio is the median of its pairs' ratios, each pair measured back to back.
     """
     model, name, client = PER_TOKEN_MODEL, short(PER_TOKEN_MODEL), d.client
 
-    def run_daemon(index: int) -> dict[str, Any]:
-        client.load(model, name)
-        try:
-            d.settle()
-            daemon_generate(client, name, DECODE_PROMPT, warmup_tokens)
-            log_path = tmp / f"per-token-cli-{index}.log"
-            return cli_generate(d.process.socket_path, name, DECODE_PROMPT, max_tokens, log_path)
-        finally:
-            client.unload(name)
-
-    def run_inproc(index: int) -> dict[str, Any]:
-        with worker(tmp / f"per-token-worker-{index}.log") as w:
-            w.request("load", key=name, path=str(path))
-            inproc_generate(w, name, DECODE_PROMPT, warmup_tokens)
-            d.settle()
-            return inproc_generate(w, name, DECODE_PROMPT, max_tokens)
+    def run_daemon(index: int, pair: int) -> dict[str, Any]:
+        log_path = tmp / f"per-token-cli-{index}-{pair}.log"
+        return cli_generate(d.process.socket_path, name, DECODE_PROMPT, max_tokens, log_path)
 
     samples: list[dict[str, Any]] = []
     for index in range(rounds):
-        inproc, cli = run_alternating(index, partial(run_inproc, index), partial(run_daemon, index))
+        client.load(model, name)
+        try:
+            with worker(tmp / f"per-token-worker-{index}.log") as w:
+                w.request("load", key=name, path=str(path))
+                inproc_generate(w, name, DECODE_PROMPT, warmup_tokens)
+                daemon_generate(client, name, DECODE_PROMPT, warmup_tokens)
+                d.settle()
+                measured = [
+                    run_alternating(
+                        index + pair,
+                        partial(inproc_generate, w, name, DECODE_PROMPT, max_tokens),
+                        partial(run_daemon, index, pair),
+                    )
+                    for pair in range(pairs)
+                ]
+        finally:
+            client.unload(name)
+        pair_ratios = [cli["tps"] / stream_tps(inproc) for inproc, cli in measured]
+        pair_text_ratios = [cli["text_tps"] / stream_tps(inproc) for inproc, cli in measured]
+        inproc, cli = measured[-1]
         sample = {
             "round": index,
+            "pairs": pairs,
             "first": alternate(index, "in-process", "daemon")[0],
-            "inproc_tps": stream_tps(inproc),
-            "daemon_tps": cli["tps"],
-            "daemon_text_tps": cli["text_tps"],
+            "inproc_tps": median(stream_tps(i) for i, _ in measured),
+            "daemon_tps": median(c["tps"] for _, c in measured),
+            "daemon_text_tps": median(c["text_tps"] for _, c in measured),
             "inproc_tokens": inproc["generation_tokens"],
             "daemon_tokens": cli["generation_tokens"],
             "inproc_finish": inproc["finish_reason"],
             "daemon_finish": cli["finish_reason"],
-            "same_text": inproc["text"] == cli["text"],
-            **{k: cli[k] for k in ("reads", "first_byte_s", "summary_after_text_s",
-                                   "exit_after_output_s")},
+            "same_text": all(i["text"] == c["text"] for i, c in measured),
+            "tokens_equal": all(
+                i["generation_tokens"] == c["generation_tokens"] for i, c in measured
+            ),
+            "pair_ratios": pair_ratios,
+            "ratio": median(pair_ratios),
+            "text_ratio": median(pair_text_ratios),
+            **{k: median(c[k] for _, c in measured)
+               for k in ("reads", "first_byte_s", "summary_after_text_s", "exit_after_output_s")},
         }  # fmt: skip
-        sample["ratio"] = sample["daemon_tps"] / sample["inproc_tps"]
-        sample["text_ratio"] = sample["daemon_text_tps"] / sample["inproc_tps"]
         samples.append(sample)
         note(
             f"  per-token round {index + 1}/{rounds}: in-process {sample['inproc_tps']:.1f} "
-            f"tok/s, CLI {sample['daemon_tps']:.1f} tok/s, ratio {sample['ratio']:.3f}"
+            f"tok/s, CLI {sample['daemon_tps']:.1f} tok/s, ratio {sample['ratio']:.3f} "
+            f"(pairs {'/'.join(f'{r:.2f}' for r in pair_ratios)})"
         )
 
     def med(key: str) -> float:
@@ -1000,7 +1025,8 @@ def bench_per_token(
         "median_daemon_text_tps": med("daemon_text_tps"),
         "median_inproc_tps": med("inproc_tps"),
         "median_summary_after_text_s": med("summary_after_text_s"),
-        "tokens_equal": all(s["inproc_tokens"] == s["daemon_tokens"] for s in samples),
+        "pairs_per_round": pairs,
+        "tokens_equal": all(s["tokens_equal"] for s in samples),
         "ran_to_max_tokens": all(s["inproc_tokens"] == max_tokens for s in samples),
         "same_text": all(s["same_text"] for s in samples),
         "samples": samples,
@@ -1292,7 +1318,8 @@ def _memory_rows(mem: dict[str, Any]) -> list[Row]:
 
 def _per_token_rows(p: dict[str, Any]) -> list[Row]:
     m, target = short(p["model"]), PER_TOKEN_RATIO_TARGET
-    what = f"{m}, {p['max_tokens']} tok, median of {p['rounds']}"
+    pairs = p.get("pairs_per_round", 1)
+    what = f"{m}, {p['max_tokens']} tok, median of {p['rounds']} rounds x {pairs} pairs"
     rounds = "/".join(f"{r:.3f}" for r in p["ratios"])
     checks = f"{'yes' if p['tokens_equal'] else 'NO'} / {'yes' if p['same_text'] else 'NO'}"
     return [
