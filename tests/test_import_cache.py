@@ -78,6 +78,20 @@ def test_a_damaged_cache_file_is_scanned_again_and_rewritten(tmp_path: Path) -> 
     assert scans.calls == 2
 
 
+def test_a_call_with_arguments_it_does_not_know_goes_to_the_original(tmp_path: Path) -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def original(*args: Any, **kwargs: Any) -> ImportStructure:
+        seen.append((args, kwargs))
+        return STRUCTURE
+
+    define = cached(original, "1.0", tmp_path / "cache")
+    models = package(tmp_path / "models", 40)
+    assert define(models, "models", backend="x") == STRUCTURE
+    assert seen == [((models, "models"), {"backend": "x"})]
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_small_package_is_scanned_as_before_and_never_stored(tmp_path: Path) -> None:
     scans, store = Scans(), tmp_path / "cache"
     define = cached(scans, "1.0", store)

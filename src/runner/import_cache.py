@@ -95,7 +95,11 @@ def cached(
     """``original`` (transformers' ``define_import_structure``), answering from
     ``directory`` for a directory it has seen."""
 
-    def define_import_structure(module_path: Any, prefix: str | None = None) -> ImportStructure:
+    def define_import_structure(
+        module_path: Any, prefix: str | None = None, *args: Any, **kwargs: Any
+    ) -> ImportStructure:
+        if args or kwargs:  # a newer transformers with more to say: not ours to cache
+            return original(module_path, prefix, *args, **kwargs)
         try:
             path = Path(module_path)
             if not path.is_dir():  # a package's __init__.py: its directory is scanned
