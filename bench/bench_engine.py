@@ -1075,6 +1075,12 @@ def main() -> int:
         help="builtin:small chat: tokens per answer (the issue: 16)",
     )
     parser.add_argument(
+        "--small-epochs",
+        type=int,
+        default=1,
+        help="builtin:small chat: conversations per side (~4 min each)",
+    )
+    parser.add_argument(
         "--small-rounds",
         type=int,
         default=2,
@@ -1094,7 +1100,10 @@ def main() -> int:
             system_tokens=1000, turns=8, answer_tokens=16, epochs=1 if args.quick else 3
         ),
         SMALL: ChatSettings(
-            args.small_system_tokens, args.small_turns, args.small_answer_tokens, epochs=1
+            args.small_system_tokens,
+            args.small_turns,
+            args.small_answer_tokens,
+            epochs=args.small_epochs,
         ),
     }
     concurrency_rounds = {TINY: 1 if args.quick else 5, SMALL: args.small_rounds}
