@@ -126,9 +126,11 @@ def test_two_ranks_answer_as_one_process_does(
 
 
 def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
-    start_daemon: DaemonFactory,
+    start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
-    daemon = start_daemon(FAST)
+    # TMPDIR: the daemon is SIGKILLed at the end, with no chance to remove the
+    # ring's host file; it goes with the test's own temporary directory.
+    daemon = start_daemon(FAST, env={"TMPDIR": str(tmp_path)})
     client = Client(daemon.socket_path)
     client.load("builtin:tiny", "pair", ranks=2)
     old = rank_pids(client, "pair")
@@ -152,6 +154,7 @@ def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
     # The daemon killed: every rank goes (pipe EOF, parent-death signal)
     # without anyone reaping them first.
     pids = rank_pids(client, "pair")
+    assert len(ring_dirs(tmp_path)) == 1
     os.kill(daemon.pid, signal.SIGKILL)
     daemon.wait()
     assert wait_exited(pids, timeout_s=5) == []
