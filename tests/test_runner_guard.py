@@ -40,6 +40,7 @@ from ipc.messages import (
     TextChunk,
 )
 from runner import engine as engine_module
+from runner import guard as guard_module
 from runner.engine import Engine
 from runner.faults import Faults
 from runner.guard import (
@@ -331,9 +332,13 @@ def test_load_with_room_passes_every_layer(tiny: LoadedModel) -> None:
     assert guard.figures.active_bytes > 0 and guard.last_view is not None
 
 
+@pytest.mark.parametrize("full_every_s", [0.0, 3600.0], ids=["measured", "estimated"])
 def test_runaway_request_is_stopped_with_the_numbers_and_the_next_one_is_served(
-    tiny: LoadedModel,
+    tiny: LoadedModel, full_every_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every check measured in full, or none after the prefill's: MLX's own
+    counters show the hog at the first check after it either way."""
+    monkeypatch.setattr(guard_module, "FULL_MEASURE_INTERVAL_S", full_every_s)
     guard = MemoryGuard(room_plan(128 * MiB))
     done = generate(tiny, guard, faults="hog_at_token=5:512", max_tokens=64)
     assert done.finish_reason == "memory_pressure", done
@@ -343,6 +348,53 @@ def test_runaway_request_is_stopped_with_the_numbers_and_the_next_one_is_served(
     assert done.peak_memory_bytes >= 512 * MiB
     again = generate(tiny, guard, max_tokens=40)  # the hog went with its request
     assert (again.finish_reason, again.generation_tokens, again.detail) == ("length", 40, None)
+
+
+def test_the_estimate_carries_the_last_view_forward_by_mlx_growth(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured: list[MemorySample] = []
+
+    def measure() -> MemorySample:
+        measured.append(measure_memory())
+        return measured[-1]
+
+    monkeypatch.setattr(guard_module, "FULL_MEASURE_INTERVAL_S", 3600.0)
+    guard = MemoryGuard(room_plan(1 * GiB), measure=measure)
+    assert guard.estimate() is None  # nothing measured yet
+    view = guard.refresh()
+    held = mx.ones((64 * MiB,), dtype=mx.uint8)
+    mx.eval(held)
+    estimate = guard.estimate()
+    assert estimate is not None and len(measured) == 1
+    assert estimate.footprint_bytes >= view.footprint_bytes + 64 * MiB
+    assert estimate.remaining_bytes <= view.remaining_bytes - 64 * MiB
+    assert estimate.total_bytes == view.total_bytes
+    monkeypatch.setattr(guard_module, "FULL_MEASURE_INTERVAL_S", 0.0)
+    assert guard.estimate() is None  # stale: the next check measures
+    del held
+
+
+def test_checks_between_full_measurements_read_only_mlx(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 tokens, checks at 16, 32 and 48 (64 ends the request): each is a
+    full measurement when the interval is 0, none when it is long."""
+    monkeypatch.setattr(engine_module, "HEARTBEAT_INTERVAL_S", 3600.0)  # heartbeats measure too
+    counts = {}
+    for full_every_s in (0.0, 3600.0):
+        monkeypatch.setattr(guard_module, "FULL_MEASURE_INTERVAL_S", full_every_s)
+        calls = [0]
+
+        def measure(calls: list[int] = calls) -> MemorySample:
+            calls[0] += 1
+            return measure_memory()
+
+        guard = MemoryGuard(room_plan(512 * MiB), measure=measure)
+        done = generate(tiny, guard, max_tokens=64)
+        assert (done.finish_reason, done.generation_tokens) == ("length", 64)
+        counts[full_every_s] = calls[0]
+    assert counts[0.0] - counts[3600.0] == 3, counts
 
 
 EMERGENCY_SCENARIO = """

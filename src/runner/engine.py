@@ -693,7 +693,8 @@ class Engine:
         if not self.in_batch or (self._steps % CHECK_EVERY_TOKENS and not prefilled):
             return
         newest: Job = max(self.in_batch.values(), key=lambda j: j.uid or 0)
-        detail = newest.guard.check(f"at batch step {self._steps}")
+        where = f"at batch step {self._steps}"
+        detail = newest.guard.check(where) if prefilled else newest.guard.at_cadence(where)
         if detail is not None:
             self._remove_from_batch([newest])
             newest.detail = detail

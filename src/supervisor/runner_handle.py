@@ -80,6 +80,10 @@ class RequestStream:
 
     Each item is the event and its frame's body as it came over the pipe
     (a relay can write it to a client as it is). Close it when done.
+
+    A deque and one wake-up per wait: a frame costs the relay no checkpoint
+    or cancel-scope walk (an anyio memory stream spent about a third of the
+    daemon's CPU per relayed frame on those).
     """
 
     def __init__(self, handle: RunnerHandle, request_id: int) -> None:
@@ -87,9 +91,9 @@ class RequestStream:
         # Whose exit ends the stream: the runner's, or its group's.
         self.owner: RunnerHandle | RunnerGroup = handle
         self.request_id = request_id
-        self._in, self._out = anyio.create_memory_object_stream[tuple[RequestEvent, bytes]](
-            max_buffer_size=math.inf
-        )
+        self._items: deque[tuple[RequestEvent, bytes]] = deque()
+        self._ended = False
+        self._wakeup: anyio.Event | None = None
 
     async def next(self) -> tuple[RequestEvent, bytes]:
         """The request's next frame.
@@ -97,32 +101,40 @@ class RequestStream:
         Raises:
             RunnerGone: the runner exited; no more frames will come.
         """
-        try:
-            return await self._out.receive()
-        except anyio.EndOfStream:
-            await self.owner.exited.wait()
-            assert self.owner.exit_info is not None
-            raise RunnerGone(self.owner.exit_info) from None
+        while not self._items:
+            if self._ended:
+                await self.owner.exited.wait()
+                assert self.owner.exit_info is not None
+                raise RunnerGone(self.owner.exit_info)
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+        return self._items.popleft()
 
     def next_nowait(self) -> tuple[RequestEvent, bytes] | None:
         """The next frame if one is waiting, else None."""
-        try:
-            return self._out.receive_nowait()
-        except (anyio.WouldBlock, anyio.EndOfStream):
-            return None
+        return self._items.popleft() if self._items else None
 
     def put(self, event: RequestEvent, body: bytes) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self._in.send_nowait((event, body))
+        if self._ended:
+            return
+        self._items.append((event, body))
+        self._wake()
 
     def end(self) -> None:
         """No more frames (the runner is gone, or the request closed)."""
-        self._in.close()
+        self._ended = True
+        self._wake()
 
     def close(self) -> None:
         self.handle.close_request(self.request_id)
-        self._in.close()
-        self._out.close()
+        self._ended = True
+        self._items.clear()
+        self._wake()
+
+    def _wake(self) -> None:
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.set()
 
 
 class EventWaiter:
