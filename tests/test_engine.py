@@ -451,14 +451,15 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     h.engine._prefill_tps = rate = 25.0  # as slow as a big model: a wait worth having
     h.submit("the same length of prompt, again: " * 4, max_tokens=2)
     h.engine.pending[0].received = time.perf_counter()  # (however slow this machine is now)
-    wait = h.engine.admission_wait_s()
+    now = h.engine.pending[0].received  # one clock for both readings, however slow the submit
+    wait = h.engine.admission_wait_s(now)
     prompt = len(h.engine.pending[0].prompt)
-    assert 0.0 < wait <= min(0.05, 0.02 * prompt / rate)
+    assert 0.0 < wait == pytest.approx(min(0.05, 0.02 * prompt / rate))
     # A second request is one more prefill to share: the wait grows (to the cap).
     h.submit("a second request, as long as the first: " * 4, max_tokens=2)
     both = sum(len(job.prompt) for job in h.engine.pending)
-    longer = h.engine.admission_wait_s()
-    assert wait < longer <= min(0.05, 0.02 * both / rate)
+    longer = h.engine.admission_wait_s(now)
+    assert wait < longer == pytest.approx(min(0.05, 0.02 * both / rate))
     # A full batch starts at once.
     h.engine.max_concurrent = 3
     h.submit("a third fills the batch", max_tokens=2)
@@ -582,6 +583,22 @@ def test_next_turn_prefill_is_only_for_chats_that_use_the_cache_and_gives_way_to
     assert stats is not None and (stats.pending, stats.dropped) == (2, 1)
     few.settle()
     assert few.engine.stats().next_turn.prefilled == 2  # type: ignore[union-attr]
+
+
+def test_the_first_wait_is_waited_once_even_when_no_prefill_was_long_enough_to_time(
+    tiny: LoadedModel,
+) -> None:
+    """Prefills of a few tokens are too short to give a rate; the runner's
+    first-prefill wait must not come back for every request after them."""
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    h.submit("hi", max_tokens=1)
+    h.engine.pending[0].received = time.perf_counter()
+    assert 0.0 < h.engine.admission_wait_s() <= ADMISSION_FIRST_S
+    h.run()
+    assert h.engine._prefill_tps is None  # too short to time
+    h.submit("hi", max_tokens=1)
+    h.engine.pending[0].received = time.perf_counter()
+    assert h.engine.admission_wait_s() == 0.0
 
 
 def test_the_admission_wait_counts_only_what_the_prefix_cache_does_not_give(

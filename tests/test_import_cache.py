@@ -4,8 +4,10 @@ original scan whenever the file cannot be trusted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,51 @@ def test_a_big_directory_is_scanned_once_then_read_from_the_cache(tmp_path: Path
     assert scans.calls == 2
     assert cached(scans, "2.0", store)(models, prefix="models") == STRUCTURE  # another version
     assert scans.calls == 3
+
+
+def test_an_edit_deep_inside_the_tree_is_scanned_again(tmp_path: Path) -> None:
+    """An editable or git transformers changes files in a model's directory at
+    the same version, which leaves ``models/`` itself as it was."""
+    scans, store = Scans(), tmp_path / "cache"
+    define = cached(scans, "1.0", store)
+    models = package(tmp_path / "models", 40)
+    llama = package(models / "llama", 3)
+    define(models)
+    source = llama / "module_1.py"
+    source.write_text("EXPORTED = 1\n")
+    later = source.stat().st_mtime_ns + 10**9  # whatever the file system's clock grain
+    os.utime(source, ns=(later, later))
+    define(models)
+    assert scans.calls == 2
+    define(models)
+    assert scans.calls == 2
+
+
+def test_files_of_another_transformers_are_pruned_after_a_month(tmp_path: Path) -> None:
+    scans, store = Scans(), tmp_path / "cache"
+    models = package(tmp_path / "models", 40)
+    cached(scans, "1.0", store)(models)
+    (old,) = store.iterdir()
+    month_ago = time.time() - 31 * 86400
+    os.utime(old, (month_ago, month_ago))
+    cached(scans, "1.1", store)(models)  # writes its own, prunes the stale one
+    assert [f.name for f in store.iterdir()] != [old.name]
+    assert len(list(store.iterdir())) == 1
+
+
+def test_install_never_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A runner without a home directory (no HOME, no passwd entry) starts
+    the slow way rather than not at all."""
+    monkeypatch.delenv(import_cache.ENV, raising=False)
+    monkeypatch.delitem(sys.modules, import_cache.MODULE, raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(import_cache, "cache_root", no_home)
+    before = list(sys.meta_path)
+    assert not import_cache.install()
+    assert sys.meta_path == before
 
 
 def test_a_damaged_cache_file_is_scanned_again_and_rewritten(tmp_path: Path) -> None:
@@ -139,10 +186,22 @@ def test_transformers_imports_with_the_same_table_from_the_cache(
     assert scanned[1] < 20  # only the packages imported for real
 
 
-def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(import_cache.ENV, "0")
-    assert not import_cache.install(tmp_path)
-    assert not any(isinstance(f, import_cache._Patcher) for f in sys.meta_path)
+def test_the_switch_turns_it_off(tmp_path: Path) -> None:
+    """In a fresh process, where transformers is not imported yet (in this one
+    it may be, and install() would say no for that reason alone)."""
+    check = (
+        "import sys; from pathlib import Path; from runner import import_cache; "
+        "on = import_cache.install(Path(sys.argv[1])); "
+        "print(on, any(isinstance(f, import_cache._Patcher) for f in sys.meta_path))"
+    )
+    for switch, expected in (("1", "True True"), ("0", "False False")):
+        done = subprocess.run(
+            [sys.executable, "-c", check, str(tmp_path)],
+            capture_output=True, text=True, timeout=60, check=False,
+            env={**os.environ, import_cache.ENV: switch},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == expected.split()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ timeout instead.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -1304,6 +1305,79 @@ async def test_fd_stream_aclose_after_send_eof_leaves_a_reused_fd_alone() -> Non
         _close(r2, w2)
     with pytest.raises(OSError):
         os.fstat(r)
+
+
+@pytest.mark.anyio
+async def test_fd_stream_a_failed_registration_leaves_the_stream_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event loop refusing the fd is that receive's error, not every later
+    receive's (it must not leave a waiter behind: BusyResourceError)."""
+    loop = asyncio.get_running_loop()
+    async with _fd_stream_pair() as (a, b):
+
+        def refuse(fd: int, callback: Callable[..., object], *args: object) -> None:
+            raise OSError("the selector is full")
+
+        monkeypatch.setattr(loop, "add_reader", refuse)
+        with pytest.raises(OSError, match="selector is full"):
+            await b.receive()
+        monkeypatch.undo()
+        got: list[bytes] = []
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def receive() -> None:
+                    got.append(await b.receive())
+
+                tg.start_soon(receive)  # waits: nothing is there yet
+                await anyio.wait_all_tasks_blocked()
+                await a.send(b"after")
+        assert got == [b"after"]
+
+
+@pytest.mark.anyio
+async def test_fd_stream_a_cancelled_receive_leaves_the_stream_usable() -> None:
+    async with _fd_stream_pair() as (a, b):
+        with anyio.move_on_after(0.05) as scope:
+            await b.receive()
+        assert scope.cancelled_caught
+        with anyio.fail_after(10):
+            # A readiness that finds no reader waiting takes the fd out of the
+            # (level-triggered) selector, which would otherwise call back forever.
+            await a.send(b"later")
+            while b._watching:
+                await anyio.lowlevel.checkpoint()
+            assert await b.receive() == b"later"
+            got: list[bytes] = []
+            async with anyio.create_task_group() as tg:
+
+                async def receive() -> None:
+                    got.append(await b.receive())
+
+                tg.start_soon(receive)  # waits, with the fd back in the selector
+                await anyio.wait_all_tasks_blocked()
+                assert b._watching
+                await a.send(b"and more")
+        assert got == [b"and more"]
+
+
+@pytest.mark.anyio
+async def test_fd_stream_two_readers_at_once_is_a_busy_resource() -> None:
+    async with _fd_stream_pair() as (a, b):
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                got: list[bytes] = []
+
+                async def first() -> None:
+                    got.append(await b.receive())
+
+                tg.start_soon(first)
+                await anyio.wait_all_tasks_blocked()
+                with pytest.raises(anyio.BusyResourceError):
+                    await b.receive()
+                await a.send(b"for the first")
+        assert got == [b"for the first"]
 
 
 @pytest.mark.anyio

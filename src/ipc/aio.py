@@ -74,10 +74,10 @@ class FdStream(ByteStream):
         if self._waiter is not None:
             raise anyio.BusyResourceError("reading from")
         waiter = self._waiter = loop.create_future()
-        if not self._watching:
-            loop.add_reader(self.read_fd, self._on_readable)
-            self._watching = True
         try:
+            if not self._watching:
+                loop.add_reader(self.read_fd, self._on_readable)
+                self._watching = True
             await waiter
         finally:
             self._waiter = None

@@ -269,6 +269,7 @@ class Engine:
         self._samplers: dict[tuple[float, float], Any] = {}
         self._steps = 0
         self._prefill_tps: float | None = None  # prefill tokens/s, a running estimate
+        self._prefilled_once = False  # the first-prefill wait (ADMISSION_FIRST_S) is spent
         self._progress = 0
         self._last_beat = time.perf_counter()
         self.next_turn_prefill = settings.next_turn_prefill and self.prefix_cache is not None
@@ -292,7 +293,7 @@ class Engine:
     def active(self) -> int:
         return (self.solo is not None) + len(self.in_batch)
 
-    def admission_wait_s(self) -> float:
+    def admission_wait_s(self, now: float | None = None) -> float:
         """How much longer to wait for more requests before starting those
         waiting on an idle engine (0: start now).
 
@@ -308,12 +309,15 @@ class Engine:
             return 0.0
         if not all(self._batchable(job) for job in self.pending):
             return 0.0
-        if self._prefill_tps is None:  # the runner's first prefill: its speed is not known yet
+        if not self._prefilled_once:  # the runner's first prefill: its speed is not known yet
             window_s = ADMISSION_FIRST_S
+        elif self._prefill_tps is None:  # only prefills too short to time: fast enough
+            return 0.0
         else:
             expected_s = sum(self._to_compute(job) for job in self.pending) / self._prefill_tps
             window_s = min(ADMISSION_CAP_S, self.batch_wait_share * expected_s)
-        return max(0.0, self.pending[0].received + window_s - time.perf_counter())
+        now = time.perf_counter() if now is None else now
+        return max(0.0, self.pending[0].received + window_s - now)
 
     def _to_compute(self, job: Job) -> int:
         """The prompt tokens ``job`` will compute: what the prefix cache will not give it."""
@@ -752,6 +756,7 @@ class Engine:
         batch the time covers the others' prefills too: the rate is then
         low, and the wait it gives long (within the cap), which errs on the
         side of batching."""
+        self._prefilled_once = True
         computed = len(job.prompt) - job.cached_tokens
         elapsed = (job.first_token_at or 0.0) - job.started
         if computed < 8 or elapsed <= 0:

@@ -9,7 +9,7 @@ installed transformers, so the first runner writes it to the user's cache
 a restart, a hot spare or a rank then starts in about 0.8 s instead of 2 s.
 
 It is an optimisation and nothing else: a file keyed by the transformers
-version, the directory and that directory's mtime and entry count; written
+version, the directory and the newest mtime and entry count in its tree; written
 atomically; read as JSON (never pickle); and on any surprise (another
 transformers layout, an unreadable or foreign file) the original function
 runs as if this module did not exist. ``MLX_SUPERVISOR_IMPORT_CACHE=0``
@@ -26,6 +26,7 @@ import importlib.metadata
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +43,7 @@ ENV = "MLX_SUPERVISOR_IMPORT_CACHE"
 MODULE = "transformers.utils.import_utils"
 FORMAT = 1
 MIN_ENTRIES = 32  # a directory with fewer entries is scanned as before (models/: ~450)
+PRUNE_AFTER_S = 30 * 86400
 
 # What ``define_import_structure`` returns: backends -> module -> exported names.
 ImportStructure = dict[frozenset[str], dict[str, set[str]]]
@@ -81,12 +83,28 @@ def decode(data: bytes, key: str) -> ImportStructure | None:
 
 
 def cache_key(version: str, directory: Path, prefix: str | None) -> str | None:
-    """Changes when transformers or the scanned directory does; None for a
+    """Changes when transformers or anything in the scanned tree does (an
+    editable or git transformers edits files at the same version); None for a
     directory too small to be worth a file."""
-    count = sum(1 for _ in os.scandir(directory))
-    if count < MIN_ENTRIES:
+    if sum(1 for _ in os.scandir(directory)) < MIN_ENTRIES:
         return None
-    return f"{version}|{directory}|{prefix}|{directory.stat().st_mtime_ns}|{count}"
+    return f"{version}|{directory}|{prefix}|{tree_fingerprint(directory)}"
+
+
+def tree_fingerprint(directory: Path) -> str:
+    """The newest mtime and the number of entries under ``directory``: ~30 ms
+    for transformers' ``models/`` (~5,000 files), against ~1.2 s to scan it."""
+    newest, count = directory.stat().st_mtime_ns, 0
+    pending = [str(directory)]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                count += 1
+                stat = entry.stat(follow_symlinks=False)
+                newest = max(newest, stat.st_mtime_ns)
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    return f"{newest}|{count}"
 
 
 def cached(
@@ -117,6 +135,7 @@ def cached(
         structure = original(module_path, prefix)
         with contextlib.suppress(OSError, TypeError, ValueError):
             _write_atomic(file, encode(structure, key))
+            _prune(directory, keep=file)
         return structure
 
     define_import_structure.__wrapped__ = original  # type: ignore[attr-defined]
@@ -125,6 +144,17 @@ def cached(
 
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _prune(directory: Path, keep: Path) -> None:
+    """Drop the files nobody has written for a month: tables of transformers
+    versions or trees that are gone (a file in use is read, not rewritten,
+    so one still in use is at worst scanned and written again)."""
+    stale = time.time() - PRUNE_AFTER_S
+    for file in directory.glob("transformers-*.json"):
+        with contextlib.suppress(OSError):
+            if file != keep and file.stat().st_mtime < stale:
+                file.unlink()
 
 
 def _write_atomic(file: Path, data: bytes) -> None:
@@ -180,9 +210,10 @@ def install(directory: Path | None = None) -> bool:
         return False
     try:
         version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
+        if directory is None:
+            directory = cache_root() / "import-cache"
+    except Exception as exc:  # no transformers, no home directory: start the slow way
+        log.debug("import_cache_off", reason=repr(exc))
         return False
-    if directory is None:
-        directory = cache_root() / "import-cache"
     sys.meta_path.insert(0, _Patcher(version, directory))
     return True
