@@ -77,14 +77,14 @@ class Harness:
         self.next_id = 1
 
     def submit(self, prompt: str | list[ChatMessage], max_tokens: int = 24,
-               **fields: Any) -> int:  # fmt: skip
+               received: float | None = None, **fields: Any) -> int:  # fmt: skip
         request_id, self.next_id = self.next_id, self.next_id + 1
         sampling = SamplingParams(max_tokens=max_tokens, **fields.pop("sampling", {}))
         if isinstance(prompt, str):
             request = Generate(request_id, prompt=prompt, sampling=sampling, **fields)
         else:
             request = Generate(request_id, messages=prompt, sampling=sampling, **fields)
-        self.engine.submit(request)
+        self.engine.submit(request, received)
         return request_id
 
     def run(self, until: Callable[[], bool] | None = None, limit: int = 100_000) -> None:
@@ -107,6 +107,15 @@ class Harness:
         """Tokens the request's frames have covered so far."""
         chunks = [f for f in self.frames if isinstance(f, TextChunk) and f.request_id == request_id]
         return chunks[-1].generation_tokens if chunks else 0
+
+    def made(self, request_id: int) -> int:
+        """Tokens the request has made so far, sent or not (frames lag behind
+        by up to ``stream_interval_s``: a fast model makes all of a short
+        request's tokens before its second frame)."""
+        for job in self.engine._running():
+            if job.request_id == request_id:
+                return len(job.tokens)
+        return self.tokens_of(request_id)
 
     def text(self, request_id: int) -> str:
         return "".join(
@@ -222,7 +231,7 @@ def test_requests_in_a_batch_give_the_tokens_they_give_alone(tiny: LoadedModel) 
 def test_a_lone_request_moves_into_a_batch_where_it_left_off(tiny: LoadedModel) -> None:
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     first = h.submit(PROMPTS[0], 40)
-    h.run(until=lambda: h.tokens_of(first) >= 10)
+    h.run(until=lambda: h.made(first) >= 10)
     assert h.engine.solo is not None  # alone so far: the fast path
     second = h.submit(PROMPTS[1], 20)
     h.run()
@@ -327,7 +336,7 @@ def test_partial_stop_is_the_longest_end_that_begins_the_stop(text: str, stop: s
 def test_a_request_cancelled_in_a_batch_ends_alone(tiny: LoadedModel) -> None:
     h = Harness(tiny)
     ids = [h.submit(p, 40) for p in PROMPTS[:3]]
-    h.run(until=lambda: h.tokens_of(ids[1]) >= 5)
+    h.run(until=lambda: h.made(ids[1]) >= 5)
     h.cancelled.add(ids[1])
     h.run()
     assert h.done(ids[1]).finish_reason == "cancelled"
@@ -343,7 +352,7 @@ def test_one_requests_error_ends_that_request_not_the_batch(
 ) -> None:
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     ids = [h.submit(p, 30) for p in PROMPTS[:3]]
-    h.run(until=lambda: h.tokens_of(ids[0]) >= 3)
+    h.run(until=lambda: h.made(ids[0]) >= 3)
     victim = next(job for job in h.engine.in_batch.values() if job.request_id == ids[1])
 
     def broken(token: int) -> None:
@@ -427,7 +436,7 @@ def test_a_cancel_ends_a_request_wherever_it_waits_and_the_first_in_a_batch_keep
     first, second = h.submit(PROMPTS[0], 200), h.submit(PROMPTS[1], 200)  # batch uids 0, 1
     seeded = h.submit(PROMPTS[2], 5, sampling={"temperature": 1.0, "seed": 3})  # waits: alone
     behind = h.submit(PROMPTS[3], 5)  # waits behind the seeded one
-    h.run(until=lambda: h.tokens_of(first) >= 5)
+    h.run(until=lambda: h.made(first) >= 5)
     h.cancelled.update({behind, first})
     h.engine.step()
     assert h.done(behind).finish_reason == "cancelled"  # at once, not after the batch
@@ -599,6 +608,55 @@ def test_the_first_wait_is_waited_once_even_when_no_prefill_was_long_enough_to_t
     h.submit("hi", max_tokens=1)
     h.engine.pending[0].received = time.perf_counter()
     assert h.engine.admission_wait_s() == 0.0
+
+
+def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
+    tiny: LoadedModel,
+) -> None:
+    """Clients that send together reach a fast model's runner milliseconds
+    apart, longer than 2% of its prefill: the one that came after the others
+    had started teaches the engine to wait that long (within the prefill it
+    expects), and starts that nobody comes late for unlearn it by halves."""
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    h.submit("a first prefill, to have a rate: " * 3, max_tokens=1)
+    h.run()
+    assert h.engine._burst_s == 0.0
+
+    first = h.submit("the first of a burst", max_tokens=4, received=time.perf_counter() - 0.004)
+    h.engine.step()  # it starts alone: nobody else had come
+    assert h.engine.solo is not None
+    late = time.perf_counter()
+    h.submit("the second of the burst, too late", max_tokens=4, received=late)
+    spread = late - h.engine.solo.job.received
+    assert h.engine._burst_s == pytest.approx(spread) and spread >= 0.004
+    h.run()
+    assert h.done(first).finish_reason == "length"
+
+    def lone_wait(expected_s: float, new: bool = True) -> float:
+        """The admission wait of a lone request expected to prefill in ``expected_s``."""
+        if new:
+            h.run()  # the one before starts, with nobody after it
+            h.submit("a lone request", max_tokens=1, received=time.perf_counter())
+        h.engine._prefill_tps = len(h.engine.pending[0].prompt) / expected_s
+        return h.engine.admission_wait_s(h.engine.pending[0].received)
+
+    assert lone_wait(0.04) == pytest.approx(spread)
+    # never longer than the prefill it expects, which is all a latecomer would wait
+    assert lone_wait(0.002, new=False) == pytest.approx(0.002)
+    assert lone_wait(0.04) == pytest.approx(spread / 2)
+    assert lone_wait(0.04) == pytest.approx(spread / 4)
+    # and without the burst, 2% of the expected prefill, as before
+    h.engine._burst_s = 0.0
+    assert lone_wait(0.04, new=False) == pytest.approx(0.02 * 0.04)
+
+
+def test_a_request_long_after_the_others_started_is_no_burst(tiny: LoadedModel) -> None:
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    h.submit("the first", max_tokens=40, received=time.perf_counter() - 0.06)
+    h.engine.step()
+    h.submit("60 ms later: another user", max_tokens=4)
+    assert h.engine._burst_s == 0.0
+    h.run()
 
 
 def test_the_admission_wait_counts_only_what_the_prefix_cache_does_not_give(

@@ -80,6 +80,10 @@ ADMISSION_FIRST_S = 0.01
 """The wait before a runner's first prefill, whose speed is not known yet:
 on a big model the clients that sent beside the first would otherwise wait
 for all of its prefill (seconds), on a small one it costs 10 ms once."""
+BURST_DECAY = 0.5
+"""Each start from idle that no late request follows keeps this share of the
+learned burst spread (see :meth:`Engine.admission_wait_s`): a lone user pays
+a learned wait once, then half of it, and so on."""
 PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
 NEXT_TURN_CHUNK_S = 0.05
 """A next-turn prefill computes about this long at a time (by the prefill
@@ -270,6 +274,11 @@ class Engine:
         self._steps = 0
         self._prefill_tps: float | None = None  # prefill tokens/s, a running estimate
         self._prefilled_once = False  # the first-prefill wait (ADMISSION_FIRST_S) is spent
+        # Bursts: how far apart requests sent together reached us, learned from
+        # those that came just after their company had started without them.
+        self._burst_s = 0.0
+        self._idle_start: tuple[float, float] | None = None  # (first arrival, started at)
+        self._late_since_start = False
         self._progress = 0
         self._last_beat = time.perf_counter()
         self.next_turn_prefill = settings.next_turn_prefill and self.prefix_cache is not None
@@ -302,20 +311,33 @@ class Engine:
         So the requests wait, from the first one's arrival, for
         ``batch_wait_share`` of the prefill they all expect (at most
         ADMISSION_CAP_S): each newcomer lengthens the wait a little, as it
-        is one more prefill to share. A full batch starts at once."""
+        is one more prefill to share. A full batch starts at once.
+
+        On a fast model that share is a fraction of a millisecond, while
+        clients that send together reach the runner a few milliseconds
+        apart (their own connects, the daemon's relay). So the engine also
+        learns that spread: a request that arrives after the requests it
+        came with have started (within ADMISSION_CAP_S of the first) sets
+        it, and the next start waits for it, never longer than the prefill
+        it expects (waiting longer would cost more than the prefill a
+        latecomer waits for). Starts that no latecomer follows halve it."""
         if self.solo is not None or self.batch is not None or not self.pending:
             return 0.0
         if len(self.pending) >= self.max_concurrent or self.batch_wait_share <= 0:
             return 0.0
         if not all(self._batchable(job) for job in self.pending):
             return 0.0
+        burst_s = self._burst_s if self._late_since_start else self._burst_s * BURST_DECAY
         if not self._prefilled_once:  # the runner's first prefill: its speed is not known yet
             window_s = ADMISSION_FIRST_S
-        elif self._prefill_tps is None:  # only prefills too short to time: fast enough
-            return 0.0
+        elif self._prefill_tps is None:  # only prefills too short to time: fast ones
+            window_s = min(burst_s, ADMISSION_FIRST_S)
         else:
             expected_s = sum(self._to_compute(job) for job in self.pending) / self._prefill_tps
-            window_s = min(ADMISSION_CAP_S, self.batch_wait_share * expected_s)
+            window_s = min(
+                ADMISSION_CAP_S,
+                max(self.batch_wait_share * expected_s, min(burst_s, expected_s)),
+            )
         now = time.perf_counter() if now is None else now
         return max(0.0, self.pending[0].received + window_s - now)
 
@@ -328,9 +350,12 @@ class Engine:
             job.to_compute = len(job.prompt) - (match.reuse if match is not None else 0)
         return job.to_compute
 
-    def submit(self, request: Generate) -> None:
-        """Queue ``request``; a request that cannot run fails at once."""
-        received = time.perf_counter()
+    def submit(self, request: Generate, received: float | None = None) -> None:
+        """Queue ``request``, which reached the runner at ``received``
+        (``time.perf_counter()``; default now); a request that cannot run
+        fails at once."""
+        received = time.perf_counter() if received is None else received
+        self._note_arrival(received)
         try:
             job = self._make_job(request, received)
         except Exception as exc:  # the request cannot run (template, prompt, settings)
@@ -341,6 +366,23 @@ class Engine:
             return
         self._pause_next_turn()  # before admission looks up what the cache holds for it
         self.pending.append(job)
+
+    def _note_arrival(self, received: float) -> None:
+        """Learn the burst spread from a request that came just too late for
+        the requests it was sent with (see :meth:`admission_wait_s`)."""
+        if self._idle_start is None or (self.solo is None and self.batch is None):
+            return
+        first, started = self._idle_start
+        if started <= received <= first + ADMISSION_CAP_S:
+            self._burst_s = max(self._burst_s, received - first)
+            self._late_since_start = True
+
+    def _note_idle_start(self) -> None:
+        """The engine starts its waiting requests from idle."""
+        if self._idle_start is not None and not self._late_since_start:
+            self._burst_s *= BURST_DECAY
+        self._idle_start = (self.pending[0].received, time.perf_counter())
+        self._late_since_start = False
 
     def step(self) -> None:
         """Do one unit of work: start what can start, then one decode step
@@ -433,6 +475,8 @@ class Engine:
         in line (in a group, where every rank agrees: at the prefill's start)."""
         if not self.pending:  # the usual case, every token
             return
+        if self.solo is None and self.batch is None:
+            self._note_idle_start()
         if self.group is None and any(self.is_cancelled(j.request_id) for j in self.pending):
             for job in [j for j in self.pending if self.is_cancelled(j.request_id)]:
                 self.pending.remove(job)

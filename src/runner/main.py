@@ -107,7 +107,7 @@ class Runner:
         self.commands: queue.SimpleQueue[RunnerCommand] = queue.SimpleQueue()
         # Requests received but not finished, and which of them were cancelled:
         # a Cancel that overtakes its request's start is kept, never lost.
-        self.pending: set[int] = set()
+        self.pending: dict[int, float] = {}  # request id -> when it came (perf_counter)
         self.cancelled_ids: set[int] = set()
         self.shutting_down = False
         self.name = "?"
@@ -156,7 +156,7 @@ class Runner:
                 continue
             if isinstance(command, Generate):
                 with self._lock:
-                    self.pending.add(command.request_id)
+                    self.pending[command.request_id] = time.perf_counter()
             if isinstance(command, Shutdown):
                 if "ignore_shutdown" in self.faults:
                     log.warning("fault_ignoring_shutdown")
@@ -343,7 +343,9 @@ class Runner:
             self.channel.send(GenerationFailed(request.request_id, "RuntimeError: no model loaded"))
             self.request_finished(request.request_id, None)
             return
-        self.engine.submit(request)
+        with self._lock:
+            received = self.pending.get(request.request_id)
+        self.engine.submit(request, received)  # its wait counts from its arrival
 
     def send_generation(self, message: msgspec.Struct) -> None:
         """The engine's way out: frames of its requests (and fault injection)."""
@@ -364,7 +366,7 @@ class Runner:
             self.requests_served += 1
             self.tokens_served += tokens
         with self._lock:
-            self.pending.discard(request_id)
+            self.pending.pop(request_id, None)
             self.cancelled_ids.discard(request_id)
 
     def exit_audit(self, cause: str, cause_class: CauseClass | None = None) -> ExitAudit:
