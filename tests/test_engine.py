@@ -452,8 +452,8 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
 ) -> None:
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     first = h.submit("no estimate yet: " * 4, max_tokens=2)
-    h.engine.pending[0].received = time.perf_counter()
-    assert 0.0 < h.engine.admission_wait_s() <= ADMISSION_FIRST_S  # nothing measured yet
+    h.engine.pending[0].received = now = time.perf_counter()
+    assert 0.0 < h.engine.admission_wait_s(now) <= ADMISSION_FIRST_S  # nothing measured yet
     h.run()
     rate = h.engine._prefill_tps
     assert rate is not None and rate > 0  # measured on that prefill
@@ -601,8 +601,8 @@ def test_the_first_wait_is_waited_once_even_when_no_prefill_was_long_enough_to_t
     first-prefill wait must not come back for every request after them."""
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     h.submit("hi", max_tokens=1)
-    h.engine.pending[0].received = time.perf_counter()
-    assert 0.0 < h.engine.admission_wait_s() <= ADMISSION_FIRST_S
+    h.engine.pending[0].received = now = time.perf_counter()
+    assert 0.0 < h.engine.admission_wait_s(now) <= ADMISSION_FIRST_S
     h.run()
     assert h.engine._prefill_tps is None  # too short to time
     h.submit("hi", max_tokens=1)
@@ -624,8 +624,8 @@ def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
 
     first = h.submit("the first of a burst", max_tokens=4, received=time.perf_counter() - 0.004)
     h.engine.step()  # it starts alone: nobody else had come
-    assert h.engine.solo is not None
-    late = time.perf_counter()
+    assert h.engine.solo is not None and h.engine._idle_start is not None
+    late = h.engine._idle_start.started + 0.001  # just after it started, however slow the step
     h.submit("the second of the burst, too late", max_tokens=4, received=late)
     spread = late - h.engine.solo.job.received
     assert h.engine._burst_s == pytest.approx(spread) and spread >= 0.004
@@ -650,11 +650,52 @@ def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
     assert lone_wait(0.04, new=False) == pytest.approx(0.02 * 0.04)
 
 
+def test_bursts_the_wait_caught_whole_keep_it_and_only_lone_starts_unlearn_it(
+    tiny: LoadedModel,
+) -> None:
+    """A wait that caught all of a burst did its job: the next burst needs
+    it as much. Only lone requests (nobody came) halve it, and a start with
+    nothing it could batch (a seeded request) teaches nothing."""
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    h.submit("a first prefill, to have a rate: " * 3, max_tokens=1)
+    h.run()
+    h.submit("the first of a burst", max_tokens=4, received=time.perf_counter() - 0.004)
+    h.engine.step()
+    assert h.engine._idle_start is not None
+    h.submit("came late", max_tokens=4, received=h.engine._idle_start.started + 0.001)
+    spread = h.engine._burst_s
+    assert spread >= 0.004
+    h.run()
+
+    def lone_wait() -> float:
+        h.submit("a lone request", max_tokens=1, received=time.perf_counter())
+        h.engine._prefill_tps = len(h.engine.pending[0].prompt) / 0.04
+        return h.engine.admission_wait_s(h.engine.pending[0].received)
+
+    for _ in range(3):  # bursts, each caught whole by the wait
+        now = time.perf_counter()
+        ids = [h.submit(f"client {i} of a burst", max_tokens=2, received=now + 0.002 * i)
+               for i in range(3)]  # fmt: skip
+        h.run()
+        assert all(h.done(i).batched for i in ids)
+        assert h.engine._burst_s == spread
+    assert lone_wait() == pytest.approx(spread)  # not halved by the bursts
+    h.run()
+    h.submit("seeded: it runs alone", max_tokens=2, sampling={"seed": 7})
+    h.run()
+    assert lone_wait() == pytest.approx(spread / 2)  # the lone start halved it, the seeded did not
+    h.run()
+
+
 def test_a_request_long_after_the_others_started_is_no_burst(tiny: LoadedModel) -> None:
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     h.submit("the first", max_tokens=40, received=time.perf_counter() - 0.06)
     h.engine.step()
     h.submit("60 ms later: another user", max_tokens=4)
+    assert h.engine._burst_s == 0.0
+    assert h.engine._idle_start is not None
+    # Nor is a request that cannot run, however soon it came.
+    h.submit("", max_tokens=4, received=h.engine._idle_start.started + 0.001)
     assert h.engine._burst_s == 0.0
     h.run()
 
@@ -670,7 +711,7 @@ def test_the_admission_wait_counts_only_what_the_prefix_cache_does_not_give(
     h.submit(long + "Then it answers.", max_tokens=2)
     job = h.engine.pending[0]
     job.received = time.perf_counter()
-    wait = h.engine.admission_wait_s()
+    wait = h.engine.admission_wait_s(job.received)
     assert job.to_compute is not None and 0 < job.to_compute < len(job.prompt) // 10
     assert 0.0 < wait <= 0.02 * job.to_compute / rate < 0.05
     h.run()

@@ -84,6 +84,29 @@ def test_an_edit_deep_inside_the_tree_is_scanned_again(tmp_path: Path) -> None:
     assert scans.calls == 2
 
 
+def test_compiled_files_do_not_count_but_a_renamed_module_does(tmp_path: Path) -> None:
+    """A venv installed without bytecode writes ``__pycache__`` on the first
+    imports: that is no change to the sources, and must not cost another scan.
+    A module renamed keeps its mtime and the count: its name still counts."""
+    scans, store = Scans(), tmp_path / "cache"
+    define = cached(scans, "1.0", store)
+    models = package(tmp_path / "models", 40)
+    llama = package(models / "llama", 3)
+    define(models)
+    for directory in (models, llama):
+        compiled = directory / "__pycache__"
+        compiled.mkdir()
+        (compiled / "module_1.cpython-312.pyc").write_bytes(b"compiled")
+    (llama / "stray.pyc").write_bytes(b"compiled")
+    later = time.time() + 5
+    os.utime(llama, (later, later))  # as the new entries left it, whatever the clock grain
+    define(models)
+    assert scans.calls == 1
+    (llama / "module_1.py").rename(llama / "module_9.py")
+    define(models)
+    assert scans.calls == 2
+
+
 def test_files_of_another_transformers_are_pruned_after_a_month(tmp_path: Path) -> None:
     scans, store = Scans(), tmp_path / "cache"
     models = package(tmp_path / "models", 40)

@@ -81,9 +81,9 @@ ADMISSION_FIRST_S = 0.01
 on a big model the clients that sent beside the first would otherwise wait
 for all of its prefill (seconds), on a small one it costs 10 ms once."""
 BURST_DECAY = 0.5
-"""Each start from idle that no late request follows keeps this share of the
-learned burst spread (see :meth:`Engine.admission_wait_s`): a lone user pays
-a learned wait once, then half of it, and so on."""
+"""Each lone start from idle (one request, and no late one after it) keeps
+this share of the learned burst spread (see :meth:`Engine.admission_wait_s`):
+a lone user pays a learned wait once, then half of it, and so on."""
 PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
 NEXT_TURN_CHUNK_S = 0.05
 """A next-turn prefill computes about this long at a time (by the prefill
@@ -197,6 +197,15 @@ class _NextTurn:
     done: int = 0
 
 
+@dataclass(frozen=True)
+class _IdleStart:
+    """The engine's last start from idle: what a latecomer is measured against."""
+
+    first: float  # the first waiting request's arrival
+    started: float
+    lone: bool  # it started one batchable request: nobody had come with it
+
+
 @dataclass(eq=False)
 class _Solo:
     """A request running alone through ``generate_step``."""
@@ -277,7 +286,7 @@ class Engine:
         # Bursts: how far apart requests sent together reached us, learned from
         # those that came just after their company had started without them.
         self._burst_s = 0.0
-        self._idle_start: tuple[float, float] | None = None  # (first arrival, started at)
+        self._idle_start: _IdleStart | None = None
         self._late_since_start = False
         self._progress = 0
         self._last_beat = time.perf_counter()
@@ -320,14 +329,15 @@ class Engine:
         came with have started (within ADMISSION_CAP_S of the first) sets
         it, and the next start waits for it, never longer than the prefill
         it expects (waiting longer would cost more than the prefill a
-        latecomer waits for). Starts that no latecomer follows halve it."""
+        latecomer waits for). A burst the wait caught whole keeps it; a
+        lone request that nobody follows halves it."""
         if self.solo is not None or self.batch is not None or not self.pending:
             return 0.0
         if len(self.pending) >= self.max_concurrent or self.batch_wait_share <= 0:
             return 0.0
         if not all(self._batchable(job) for job in self.pending):
             return 0.0
-        burst_s = self._burst_s if self._late_since_start else self._burst_s * BURST_DECAY
+        burst_s = self._burst_next()
         if not self._prefilled_once:  # the runner's first prefill: its speed is not known yet
             window_s = ADMISSION_FIRST_S
         elif self._prefill_tps is None:  # only prefills too short to time: fast ones
@@ -355,7 +365,6 @@ class Engine:
         (``time.perf_counter()``; default now); a request that cannot run
         fails at once."""
         received = time.perf_counter() if received is None else received
-        self._note_arrival(received)
         try:
             job = self._make_job(request, received)
         except Exception as exc:  # the request cannot run (template, prompt, settings)
@@ -364,24 +373,39 @@ class Engine:
             self.send(GenerationFailed(request.request_id, error, invalid_request=True))
             self.on_finished(request.request_id, None)
             return
+        self._note_arrival(received)
         self._pause_next_turn()  # before admission looks up what the cache holds for it
         self.pending.append(job)
 
     def _note_arrival(self, received: float) -> None:
         """Learn the burst spread from a request that came just too late for
         the requests it was sent with (see :meth:`admission_wait_s`)."""
-        if self._idle_start is None or (self.solo is None and self.batch is None):
+        start = self._idle_start
+        if start is None or (self.solo is None and self.batch is None):
             return
-        first, started = self._idle_start
-        if started <= received <= first + ADMISSION_CAP_S:
-            self._burst_s = max(self._burst_s, received - first)
+        if start.started <= received <= start.first + ADMISSION_CAP_S:
+            self._burst_s = max(self._burst_s, received - start.first)
             self._late_since_start = True
 
+    def _burst_next(self) -> float:
+        """The burst spread the next start from idle waits for: halved if the
+        last one started a lone request that nobody came late for."""
+        start = self._idle_start
+        if start is not None and start.lone and not self._late_since_start:
+            return self._burst_s * BURST_DECAY
+        return self._burst_s
+
     def _note_idle_start(self) -> None:
-        """The engine starts its waiting requests from idle."""
-        if self._idle_start is not None and not self._late_since_start:
-            self._burst_s *= BURST_DECAY
-        self._idle_start = (self.pending[0].received, time.perf_counter())
+        """The engine starts its waiting requests from idle. One that starts
+        nothing it could batch (a seeded request) did not wait: it teaches nothing."""
+        cancelled = self.is_cancelled
+        batchable = sum(
+            1 for job in self.pending if self._batchable(job) and not cancelled(job.request_id)
+        )
+        if not batchable:
+            return
+        self._burst_s = self._burst_next()
+        self._idle_start = _IdleStart(self.pending[0].received, time.perf_counter(), batchable == 1)
         self._late_since_start = False
 
     def step(self) -> None:

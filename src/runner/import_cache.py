@@ -9,10 +9,10 @@ installed transformers, so the first runner writes it to the user's cache
 a restart, a hot spare or a rank then starts in about 0.8 s instead of 2 s.
 
 It is an optimisation and nothing else: a file keyed by the transformers
-version, the directory and the newest mtime and entry count in its tree; written
-atomically; read as JSON (never pickle); and on any surprise (another
-transformers layout, an unreadable or foreign file) the original function
-runs as if this module did not exist. ``MLX_SUPERVISOR_IMPORT_CACHE=0``
+version, the directory and the newest mtime, number and names of the sources
+in its tree; written atomically; read as JSON (never pickle); and on any
+surprise (another transformers layout, an unreadable or foreign file) the
+original function runs as if this module did not exist. ``MLX_SUPERVISOR_IMPORT_CACHE=0``
 turns it off.
 """
 
@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -92,19 +93,29 @@ def cache_key(version: str, directory: Path, prefix: str | None) -> str | None:
 
 
 def tree_fingerprint(directory: Path) -> str:
-    """The newest mtime and the number of entries under ``directory``: ~30 ms
-    for transformers' ``models/`` (~5,000 files), against ~1.2 s to scan it."""
-    newest, count = directory.stat().st_mtime_ns, 0
-    pending = [str(directory)]
+    """The newest source mtime, the number of sources and a checksum of their
+    names under ``directory``: ~16 ms for transformers' ``models/`` (~2,600
+    sources), against ~1.2 s to scan it. Compiled files (``__pycache__``,
+    ``.pyc``) do not count, nor directories' own mtimes, which change when
+    the first import writes them; the names cover a file added, removed or
+    renamed."""
+    newest, count, names = 0, 0, 0
+    pending = [(str(directory), "")]
     while pending:
-        with os.scandir(pending.pop()) as entries:
+        path, relative = pending.pop()
+        with os.scandir(path) as entries:
             for entry in entries:
-                count += 1
-                stat = entry.stat(follow_symlinks=False)
-                newest = max(newest, stat.st_mtime_ns)
+                name = f"{relative}/{entry.name}"
                 if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-    return f"{newest}|{count}"
+                    if entry.name != "__pycache__":
+                        pending.append((entry.path, name))
+                    continue
+                if entry.name.endswith(".pyc"):
+                    continue
+                count += 1
+                names = (names + zlib.crc32(name.encode())) & 0xFFFFFFFF
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
+    return f"{newest}|{count}|{names:08x}"
 
 
 def cached(
