@@ -107,6 +107,33 @@ def test_compiled_files_do_not_count_but_a_renamed_module_does(tmp_path: Path) -
     assert scans.calls == 2
 
 
+def test_a_file_replaced_with_an_old_mtime_or_two_modules_swapped_are_changes(
+    tmp_path: Path,
+) -> None:
+    """``cp -p``, tar, rsync and hard-linking installers keep a file's old
+    mtime, and a swap keeps every name: the sources changed all the same."""
+    scans, store = Scans(), tmp_path / "cache"
+    define = cached(scans, "1.0", store)
+    models = package(tmp_path / "models", 40)
+    (models / "module_2.py").write_text("A = 1\n")
+    define(models)
+    source = models / "module_1.py"
+    old = source.stat().st_mtime_ns - 10**12
+    replacement = tmp_path / "module_1.py"
+    replacement.write_text("B = 2\n")
+    os.utime(replacement, ns=(old, old))
+    replacement.replace(source)
+    define(models)
+    assert scans.calls == 2
+    (models / "module_2.py").rename(models / "swap.py")
+    (models / "module_1.py").rename(models / "module_2.py")
+    (models / "swap.py").rename(models / "module_1.py")
+    define(models)
+    assert scans.calls == 3
+    define(models)
+    assert scans.calls == 3
+
+
 def test_files_of_another_transformers_are_pruned_after_a_month(tmp_path: Path) -> None:
     scans, store = Scans(), tmp_path / "cache"
     models = package(tmp_path / "models", 40)

@@ -165,6 +165,7 @@ class Job:
     use_cache: bool
     cached_tokens: int = 0
     to_compute: int | None = None  # prompt tokens to compute, as admission expects it
+    held: bool = False  # it waited behind a start that left it in line: not for company
     tokens: list[int] = field(default_factory=list)  # generated so far (a stop token included)
     started: float = 0.0  # when its prefill began
     first_token_at: float | None = None
@@ -199,10 +200,10 @@ class _NextTurn:
 
 @dataclass(frozen=True)
 class _IdleStart:
-    """The engine's last start from idle: what a latecomer is measured against."""
+    """The engine's last start from idle after an admission wait: what a
+    latecomer is measured against."""
 
     first: float  # the first waiting request's arrival
-    started: float
     lone: bool  # it started one batchable request: nobody had come with it
 
 
@@ -349,7 +350,7 @@ class Engine:
                 max(self.batch_wait_share * expected_s, min(burst_s, expected_s)),
             )
         now = time.perf_counter() if now is None else now
-        return max(0.0, self.pending[0].received + window_s - now)
+        return max(0.0, window_s - (now - self.pending[0].received))
 
     def _to_compute(self, job: Job) -> int:
         """The prompt tokens ``job`` will compute: what the prefix cache will not give it."""
@@ -383,7 +384,9 @@ class Engine:
         start = self._idle_start
         if start is None or (self.solo is None and self.batch is None):
             return
-        if start.started <= received <= start.first + ADMISSION_CAP_S:
+        # Submitted after the start, so too late for it, even if the reader
+        # thread had it a moment before the main loop started the others.
+        if start.first <= received <= start.first + ADMISSION_CAP_S:
             self._burst_s = max(self._burst_s, received - start.first)
             self._late_since_start = True
 
@@ -395,18 +398,20 @@ class Engine:
             return self._burst_s * BURST_DECAY
         return self._burst_s
 
-    def _note_idle_start(self) -> None:
-        """The engine starts its waiting requests from idle. One that starts
-        nothing it could batch (a seeded request) did not wait: it teaches nothing."""
-        cancelled = self.is_cancelled
-        batchable = sum(
-            1 for job in self.pending if self._batchable(job) and not cancelled(job.request_id)
-        )
-        if not batchable:
-            return
-        self._burst_s = self._burst_next()
-        self._idle_start = _IdleStart(self.pending[0].received, time.perf_counter(), batchable == 1)
+    def _note_idle_start(self, first: Job) -> None:
+        """The engine started requests from idle, ``first`` first. Only a
+        start that waited for company teaches: one that started nothing it
+        could batch (a seeded request) did not wait, nor did a request that
+        waited in line behind another start."""
+        started = (self.solo is not None and self._batchable(self.solo.job)) + len(self.in_batch)
+        for job in self.pending:  # still in line: they wait for a run, not for company
+            job.held = True
+        self._burst_s = self._burst_next()  # the last start's lesson, now that it is over
         self._late_since_start = False
+        if not started or first.held:
+            self._idle_start = None
+        else:
+            self._idle_start = _IdleStart(first.received, lone=started == 1)
 
     def step(self) -> None:
         """Do one unit of work: start what can start, then one decode step
@@ -499,12 +504,19 @@ class Engine:
         in line (in a group, where every rank agrees: at the prefill's start)."""
         if not self.pending:  # the usual case, every token
             return
-        if self.solo is None and self.batch is None:
-            self._note_idle_start()
         if self.group is None and any(self.is_cancelled(j.request_id) for j in self.pending):
             for job in [j for j in self.pending if self.is_cancelled(j.request_id)]:
                 self.pending.remove(job)
                 self._finish(job, "cancelled")
+        if self.pending and self.solo is None and self.batch is None:
+            first = self.pending[0]
+            self._start_in_line()
+            self._note_idle_start(first)
+        else:
+            self._start_in_line()
+
+    def _start_in_line(self) -> None:
+        """Start requests from the front of the line until one must wait."""
         while self.pending:
             job = self.pending[0]
             try:
