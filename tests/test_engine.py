@@ -692,10 +692,10 @@ def test_bursts_the_wait_caught_whole_keep_it_and_only_lone_starts_unlearn_it(
 
 
 def test_starts_that_did_not_wait_for_company_teach_nothing(tiny: LoadedModel) -> None:
-    """A seeded request runs alone without waiting, and one that waited
-    behind it for a run to end did not wait for company either: neither
-    start halves the spread, nor does a request that comes while they run
-    count as late for an older start."""
+    """A seeded request runs alone without waiting, one that waited behind
+    another run did not wait for company, nor did one that started with no
+    wait: none of these starts halves the spread, nor does a request that
+    comes while they run count as late for an older start."""
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     h.submit("a first prefill, to have a rate: " * 3, max_tokens=1)
     h.run()
@@ -704,6 +704,16 @@ def test_starts_that_did_not_wait_for_company_teach_nothing(tiny: LoadedModel) -
     behind = h.submit("waits behind the seeded one", max_tokens=2)
     h.run()
     assert not h.done(seeded).batched and not h.done(behind).batched
+    # and one that came while the seeded one ran
+    h.submit("seeded: it runs alone", max_tokens=8, sampling={"seed": 7})
+    h.engine.step()
+    h.submit("comes while the seeded one runs", max_tokens=2)
+    h.run()
+    # and one that did not wait, as a seeded one was in line with it
+    h.submit("in line with a seeded one", max_tokens=2)
+    h.submit("seeded: it runs alone", max_tokens=2, sampling={"seed": 7})
+    assert h.engine.admission_wait_s() == 0.0
+    h.run()
     assert _lone_wait(h) == pytest.approx(0.006)
     lone = h.engine.pending[0].received
     h.engine.step()  # the lone request starts: its start may teach

@@ -111,23 +111,32 @@ def test_a_file_replaced_with_an_old_mtime_or_two_modules_swapped_are_changes(
     tmp_path: Path,
 ) -> None:
     """``cp -p``, tar, rsync and hard-linking installers keep a file's old
-    mtime, and a swap keeps every name: the sources changed all the same."""
+    mtime, and a swap keeps every name: the sources changed all the same,
+    and only their change times (ctime) say so."""
     scans, store = Scans(), tmp_path / "cache"
     define = cached(scans, "1.0", store)
     models = package(tmp_path / "models", 40)
-    (models / "module_2.py").write_text("A = 1\n")
+    one, two = models / "module_1.py", models / "module_2.py"
+    one.write_text("A = 1\n")
+    two.write_text("B = 2\n")
+    mtime = one.stat().st_mtime_ns - 10**12
+    for source in (one, two):
+        os.utime(source, ns=(mtime, mtime))
     define(models)
-    source = models / "module_1.py"
-    old = source.stat().st_mtime_ns - 10**12
+    changed = max(one.stat().st_ctime_ns, two.stat().st_ctime_ns)
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    while probe.stat().st_ctime_ns <= changed:  # a coarse file-system clock ticks on
+        os.utime(probe)
     replacement = tmp_path / "module_1.py"
-    replacement.write_text("B = 2\n")
-    os.utime(replacement, ns=(old, old))
-    replacement.replace(source)
+    replacement.write_text("C = 3\n")  # the same size
+    os.utime(replacement, ns=(mtime, mtime))
+    replacement.replace(one)
     define(models)
     assert scans.calls == 2
-    (models / "module_2.py").rename(models / "swap.py")
-    (models / "module_1.py").rename(models / "module_2.py")
-    (models / "swap.py").rename(models / "module_1.py")
+    two.rename(models / "swap.py")
+    one.rename(two)
+    (models / "swap.py").rename(one)
     define(models)
     assert scans.calls == 3
     define(models)

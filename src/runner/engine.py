@@ -332,11 +332,7 @@ class Engine:
         it expects (waiting longer would cost more than the prefill a
         latecomer waits for). A burst the wait caught whole keeps it; a
         lone request that nobody follows halves it."""
-        if self.solo is not None or self.batch is not None or not self.pending:
-            return 0.0
-        if len(self.pending) >= self.max_concurrent or self.batch_wait_share <= 0:
-            return 0.0
-        if not all(self._batchable(job) for job in self.pending):
+        if self.solo is not None or self.batch is not None or not self._waits_for_company():
             return 0.0
         burst_s = self._burst_next()
         if not self._prefilled_once:  # the runner's first prefill: its speed is not known yet
@@ -351,6 +347,15 @@ class Engine:
             )
         now = time.perf_counter() if now is None else now
         return max(0.0, window_s - (now - self.pending[0].received))
+
+    def _waits_for_company(self) -> bool:
+        """Whether the requests waiting on an idle engine wait for more: not
+        when they fill a batch, nor when one of them cannot batch."""
+        return (
+            0 < len(self.pending) < self.max_concurrent
+            and self.batch_wait_share > 0
+            and all(self._batchable(job) for job in self.pending)
+        )
 
     def _to_compute(self, job: Job) -> int:
         """The prompt tokens ``job`` will compute: what the prefix cache will not give it."""
@@ -398,17 +403,16 @@ class Engine:
             return self._burst_s * BURST_DECAY
         return self._burst_s
 
-    def _note_idle_start(self, first: Job) -> None:
-        """The engine started requests from idle, ``first`` first. Only a
-        start that waited for company teaches: one that started nothing it
-        could batch (a seeded request) did not wait, nor did a request that
-        waited in line behind another start."""
+    def _note_idle_start(self, first: Job, waited: bool) -> None:
+        """The engine started requests from idle, ``first`` first, after an
+        admission wait or (``waited`` False) without one. Only a start that
+        waited for company teaches: not one with a seeded request in line
+        (it did not wait), nor one whose first request had waited behind
+        another run."""
         started = (self.solo is not None and self._batchable(self.solo.job)) + len(self.in_batch)
-        for job in self.pending:  # still in line: they wait for a run, not for company
-            job.held = True
         self._burst_s = self._burst_next()  # the last start's lesson, now that it is over
         self._late_since_start = False
-        if not started or first.held:
+        if not (waited and started) or first.held:
             self._idle_start = None
         else:
             self._idle_start = _IdleStart(first.received, lone=started == 1)
@@ -508,12 +512,15 @@ class Engine:
             for job in [j for j in self.pending if self.is_cancelled(j.request_id)]:
                 self.pending.remove(job)
                 self._finish(job, "cancelled")
-        if self.pending and self.solo is None and self.batch is None:
-            first = self.pending[0]
+        idle = self.solo is None and self.batch is None
+        if idle and self.pending:
+            first, waited = self.pending[0], self._waits_for_company()
             self._start_in_line()
-            self._note_idle_start(first)
+            self._note_idle_start(first, waited)
         else:
             self._start_in_line()
+        for job in self.pending:  # left in line: they wait for a run, not for company
+            job.held = True
 
     def _start_in_line(self) -> None:
         """Start requests from the front of the line until one must wait."""
