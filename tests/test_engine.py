@@ -610,6 +610,31 @@ def test_the_first_wait_is_waited_once_even_when_no_prefill_was_long_enough_to_t
     assert h.engine.admission_wait_s() == 0.0
 
 
+def _learn_burst(h: Harness, spread: float) -> None:
+    """Teach ``h``'s idle engine a burst spread: a request starts alone, one
+    sent with it comes ``spread`` later."""
+    sent = time.perf_counter() - 0.010
+    first = h.submit("the first of a burst", max_tokens=4, received=sent)
+    h.engine.step()  # it starts alone: nobody else had come
+    assert h.engine.solo is not None
+    # The second reached the runner before that start, but the main loop took
+    # it off the queue after: just too late all the same.
+    h.submit("came late", max_tokens=4, received=sent + spread)
+    assert h.engine._burst_s == pytest.approx(spread)
+    h.run()
+    assert h.done(first).finish_reason == "length"
+
+
+def _lone_wait(h: Harness, expected_s: float = 0.04, new: bool = True) -> float:
+    """The admission wait of a lone request (``new``: submitted now, after
+    the one before it has run) expected to prefill in ``expected_s``."""
+    if new:
+        h.run()  # the one before starts, with nobody after it
+        h.submit("a lone request", max_tokens=1, received=time.perf_counter())
+    h.engine._prefill_tps = len(h.engine.pending[0].prompt) / expected_s
+    return h.engine.admission_wait_s(h.engine.pending[0].received)
+
+
 def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
     tiny: LoadedModel,
 ) -> None:
@@ -621,52 +646,15 @@ def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
     h.submit("a first prefill, to have a rate: " * 3, max_tokens=1)
     h.run()
     assert h.engine._burst_s == 0.0
-
-    sent = time.perf_counter() - 0.010
-    first = h.submit("the first of a burst", max_tokens=4, received=sent)
-    h.engine.step()  # it starts alone: nobody else had come
-    assert h.engine.solo is not None
-    # The second reached the runner before that start, but the main loop took
-    # it off the queue after: just too late all the same.
-    h.submit("the second of the burst, too late", max_tokens=4, received=sent + 0.006)
-    assert h.engine._burst_s == pytest.approx(0.006)
-    h.run()
-    assert h.done(first).finish_reason == "length"
-
-    def lone_wait(expected_s: float, new: bool = True) -> float:
-        """The admission wait of a lone request expected to prefill in ``expected_s``."""
-        if new:
-            h.run()  # the one before starts, with nobody after it
-            h.submit("a lone request", max_tokens=1, received=time.perf_counter())
-        h.engine._prefill_tps = len(h.engine.pending[0].prompt) / expected_s
-        return h.engine.admission_wait_s(h.engine.pending[0].received)
-
-    assert lone_wait(0.04) == pytest.approx(0.006)
+    _learn_burst(h, 0.006)
+    assert _lone_wait(h) == pytest.approx(0.006)
     # never longer than the prefill it expects, which is all a latecomer would wait
-    assert lone_wait(0.002, new=False) == pytest.approx(0.002)
-    assert lone_wait(0.04) == pytest.approx(0.003)
-    assert lone_wait(0.04) == pytest.approx(0.0015)
+    assert _lone_wait(h, 0.002, new=False) == pytest.approx(0.002)
+    assert _lone_wait(h) == pytest.approx(0.003)
+    assert _lone_wait(h) == pytest.approx(0.0015)
     # and without the burst, 2% of the expected prefill, as before
     h.engine._burst_s = 0.0
-    assert lone_wait(0.04, new=False) == pytest.approx(0.02 * 0.04)
-
-
-def _learn_burst(h: Harness, spread: float) -> None:
-    """Teach ``h``'s idle engine a burst spread: a request starts alone, one
-    sent with it comes ``spread`` later."""
-    sent = time.perf_counter() - 0.010
-    h.submit("the first of a burst", max_tokens=4, received=sent)
-    h.engine.step()
-    h.submit("came late", max_tokens=4, received=sent + spread)
-    assert h.engine._burst_s == pytest.approx(spread)
-    h.run()
-
-
-def _lone_wait(h: Harness) -> float:
-    """The admission wait of a lone request, submitted now, expected to prefill in 40 ms."""
-    h.submit("a lone request", max_tokens=1, received=time.perf_counter())
-    h.engine._prefill_tps = len(h.engine.pending[0].prompt) / 0.04
-    return h.engine.admission_wait_s(h.engine.pending[0].received)
+    assert _lone_wait(h, new=False) == pytest.approx(0.02 * 0.04)
 
 
 def test_bursts_the_wait_caught_whole_keep_it_and_only_lone_starts_unlearn_it(

@@ -860,6 +860,29 @@ async def _fd_stream_pair() -> typing.AsyncIterator[tuple[FdStream, FdStream]]:
         await b.aclose()
 
 
+async def _a_waiting_receive_gets(
+    a: FdStream,
+    b: FdStream,
+    data: bytes,
+    while_waiting: Callable[[], typing.Awaitable[None]] | None = None,
+) -> None:
+    """A receive on ``b`` that waits (nothing is there yet) gets ``data``,
+    sent on ``a`` after ``while_waiting``."""
+    got: list[bytes] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+
+            async def receive() -> None:
+                got.append(await b.receive())
+
+            tg.start_soon(receive)
+            await anyio.wait_all_tasks_blocked()
+            if while_waiting is not None:
+                await while_waiting()
+            await a.send(data)
+    assert got == [data]
+
+
 @contextlib.asynccontextmanager
 async def _socket_stream_pair() -> typing.AsyncIterator[tuple[UNIXSocketStream, UNIXSocketStream]]:
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -1323,17 +1346,7 @@ async def test_fd_stream_a_failed_registration_leaves_the_stream_usable(
         with pytest.raises(OSError, match="selector is full"):
             await b.receive()
         monkeypatch.undo()
-        got: list[bytes] = []
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-
-                async def receive() -> None:
-                    got.append(await b.receive())
-
-                tg.start_soon(receive)  # waits: nothing is there yet
-                await anyio.wait_all_tasks_blocked()
-                await a.send(b"after")
-        assert got == [b"after"]
+        await _a_waiting_receive_gets(a, b, b"after")
 
 
 @pytest.mark.anyio
@@ -1349,35 +1362,22 @@ async def test_fd_stream_a_cancelled_receive_leaves_the_stream_usable() -> None:
             while b._watching:
                 await anyio.lowlevel.checkpoint()
             assert await b.receive() == b"later"
-            got: list[bytes] = []
-            async with anyio.create_task_group() as tg:
 
-                async def receive() -> None:
-                    got.append(await b.receive())
+        async def back_in_the_selector() -> None:
+            assert b._watching
 
-                tg.start_soon(receive)  # waits, with the fd back in the selector
-                await anyio.wait_all_tasks_blocked()
-                assert b._watching
-                await a.send(b"and more")
-        assert got == [b"and more"]
+        await _a_waiting_receive_gets(a, b, b"and more", back_in_the_selector)
 
 
 @pytest.mark.anyio
 async def test_fd_stream_two_readers_at_once_is_a_busy_resource() -> None:
     async with _fd_stream_pair() as (a, b):
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                got: list[bytes] = []
 
-                async def first() -> None:
-                    got.append(await b.receive())
+        async def a_second_receive() -> None:
+            with pytest.raises(anyio.BusyResourceError):
+                await b.receive()
 
-                tg.start_soon(first)
-                await anyio.wait_all_tasks_blocked()
-                with pytest.raises(anyio.BusyResourceError):
-                    await b.receive()
-                await a.send(b"for the first")
-        assert got == [b"for the first"]
+        await _a_waiting_receive_gets(a, b, b"for the first", a_second_receive)
 
 
 @pytest.mark.anyio

@@ -165,7 +165,7 @@ class Job:
     use_cache: bool
     cached_tokens: int = 0
     to_compute: int | None = None  # prompt tokens to compute, as admission expects it
-    held: bool = False  # it waited behind a start that left it in line: not for company
+    held: bool = False  # it waited in line behind a run: not for company
     tokens: list[int] = field(default_factory=list)  # generated so far (a stop token included)
     started: float = 0.0  # when its prefill began
     first_token_at: float | None = None
@@ -380,6 +380,7 @@ class Engine:
             self.on_finished(request.request_id, None)
             return
         self._note_arrival(received)
+        job.held = self.solo is not None or self.batch is not None  # in line behind a run
         self._pause_next_turn()  # before admission looks up what the cache holds for it
         self.pending.append(job)
 
@@ -410,6 +411,8 @@ class Engine:
         (it did not wait), nor one whose first request had waited behind
         another run."""
         started = (self.solo is not None and self._batchable(self.solo.job)) + len(self.in_batch)
+        for job in self.pending:  # left in line: they wait for a run, not for company
+            job.held = True
         self._burst_s = self._burst_next()  # the last start's lesson, now that it is over
         self._late_since_start = False
         if not (waited and started) or first.held:
@@ -513,14 +516,11 @@ class Engine:
                 self.pending.remove(job)
                 self._finish(job, "cancelled")
         idle = self.solo is None and self.batch is None
-        if idle and self.pending:
-            first, waited = self.pending[0], self._waits_for_company()
-            self._start_in_line()
+        first = self.pending[0] if idle and self.pending else None
+        waited = first is not None and self._waits_for_company()
+        self._start_in_line()
+        if first is not None:
             self._note_idle_start(first, waited)
-        else:
-            self._start_in_line()
-        for job in self.pending:  # left in line: they wait for a run, not for company
-            job.held = True
 
     def _start_in_line(self) -> None:
         """Start requests from the front of the line until one must wait."""
