@@ -7,11 +7,14 @@ Usage::
 Figures, each measured side by side in this one run (see bench/README.md):
 
 1. Estimator error: the pre-load estimate / the runner's measured peak, after a
-   load and one 512-token generation, for builtin:tiny and builtin:small. The
-   peak is the process's VmHWM (peak RSS, /proc) and, separately, MLX's peak
-   (from the runner's pongs, as ``status`` reports it). Two estimates: the
-   default (KV cache planned for up to 8192 tokens) and one planned for the
-   context actually used (512 + the prompt).
+   load and one 512-token generation, for builtin:tiny, builtin:small and
+   builtin:smollm2, on a daemon with its hot spare (whose measured footprint is
+   the estimate's runtime). The peak is the process's VmHWM (peak RSS, /proc)
+   and, separately, MLX's peak (from the runner's pongs, as ``status`` reports
+   it). Two estimates: the daemon's (its ``model_estimate`` log record: KV cache
+   planned for up to 8192 tokens) and the same planned for the context actually
+   used (prompt + generated tokens), each alone and planned (+ headroom). The
+   target: at the used context, estimate >= peak and planned <= 1.3 x peak.
 2. Memory gate: client.unload of builtin:small returns -> the next load is
    ``admitted`` (the daemon's log), / the same load with nothing unloaded
    before it; and the share of the departed runner's memory back by then
@@ -25,6 +28,11 @@ Figures, each measured side by side in this one run (see bench/README.md):
 4. The daemon's own RSS with 4 builtin:tiny runners loaded, against 100 MB,
    beside the same daemon's RSS with no runner (at its start) and the mean
    runner RSS.
+5. Refusal of a load that cannot fit even with every idle model gone (two idle
+   builtin:tiny under ``memory_override_mb``): client.load -> its
+   ``insufficient_memory`` error, / an unknown model's ``unknown_model`` error
+   from the same daemon, in alternating order. Medians over --reps (the ratio:
+   of the per-rep ratios); nothing may be evicted, both pids unchanged.
 
 Times on the daemon side come from its own JSON log (UTC, microseconds),
 against the wall clock read here.
@@ -60,16 +68,18 @@ from common import (
     note,
     render_table,
     runner_info,
+    verdict,
     write_json,
 )
 from ipc.messages import RunnerInfo
-from supervisor.client import Client
-from supervisor.memory.estimate import Estimate, estimate_reference
+from supervisor.client import Client, ClientError
+from supervisor.memory.estimate import Estimate, estimate_reference, with_runtime
 from supervisor.units import format_bytes
 
 DEFAULT_OUT = RESULTS_DIR / "memory.json"
 MiB = 1 << 20
-MODELS = ("builtin:tiny", "builtin:small")
+MODELS = ("builtin:tiny", "builtin:small", "builtin:smollm2")
+TARGET_MAX_RATIO = 1.3  # figure 1: planned / peak at the used context; the estimate >= peak
 PROMPT = "Hello"
 DECODE_TOKENS = 512  # figure 1: the generation before the peak is read
 SHORT_TOKENS = 4  # figures 3-4: a generation on each model, so it has served once
@@ -81,6 +91,7 @@ TIGHT_FACTOR = 1.5  # figure 3: simulated machine = this x the estimate: room fo
 ROOMY_FACTOR = 3.0  # the anchor's: room for two
 RSS_RUNNERS = ("a", "b", "c", "d")  # figure 4
 RSS_TARGET_BYTES = 100_000_000
+NEVER_FITS_CONTEXT = 200_000  # figure 5: builtin:small planned for this: far over the machine
 CLIENT_TIMEOUT_S = 600  # the 512-token generation on builtin:small takes up to ~4 min here
 
 
@@ -116,14 +127,22 @@ def after_pongs(client: Client, name: str, intervals: int = 3) -> list[RunnerInf
 
 
 def estimator_error(stack: ExitStack, tmp: Path) -> list[dict[str, Any]]:
-    config = f"ping_timeout_s = {PING_TIMEOUT_S}\nhot_spare = false\n"
+    """Per model, on a daemon with its hot spare: settle (the spare warm, so admission measures
+    it), load, generate, read the peaks; the daemon's estimate is its own log record, and the
+    used-context one the same model's estimate with the runtime that record carries."""
+    config = f"ping_timeout_s = {PING_TIMEOUT_S}\n"
     d = Daemon.start(stack, tmp, "estimate", config, client_timeout_s=CLIENT_TIMEOUT_S)
     daemon, client = d.process, d.client
     rows = []
     for model in MODELS:
         name = model.removeprefix("builtin:")
         note(f"figure 1: {model}, load + {DECODE_TOKENS} tokens")
+        d.settle(timeout_s=CLIENT_TIMEOUT_S)
         client.load(model, name)
+        daemon_estimate = Estimate(**{
+            key: value for key, value in first_record(daemon, "model_estimate", model=name).items()
+            if key in Estimate.__struct_fields__
+        })  # fmt: skip
         _, done = client.generate_text(name, PROMPT, max_tokens=DECODE_TOKENS)
         readings = after_pongs(client, name)
         info = readings[-1]
@@ -131,9 +150,10 @@ def estimator_error(stack: ExitStack, tmp: Path) -> list[dict[str, Any]]:
         hwm = vm_hwm_bytes(info.pid)
         client.unload(name)
         context = done.prompt_tokens + done.generation_tokens
-        default = estimate_reference(model)
-        used = estimate_reference(model, context)
-        assert default is not None and used is not None
+        reference = estimate_reference(model, context)
+        assert reference is not None
+        used = with_runtime(reference, daemon_estimate.runtime_bytes,
+                            daemon_estimate.overhead_source)  # fmt: skip
         rows.append({
             "model": model,
             "prompt_tokens": done.prompt_tokens,
@@ -144,27 +164,36 @@ def estimator_error(stack: ExitStack, tmp: Path) -> list[dict[str, Any]]:
             "generation_peak_bytes": done.peak_memory_bytes,  # mx peak of the request alone
             "rss_bytes": info.rss_bytes,
             "daemon_estimate_bytes": info.estimate_bytes,
-            "estimate_default": {"context_tokens": default.context_tokens,
-                                 "estimate_bytes": default.total_bytes,
-                                 "parts": estimate_parts(default)},
-            "estimate_used_context": {"context_tokens": used.context_tokens,
-                                      "estimate_bytes": used.total_bytes,
-                                      "parts": estimate_parts(used)},
-            "ratio_default_vs_hwm": default.total_bytes / hwm,
-            "ratio_default_vs_mlx_peak": default.total_bytes / info.mlx_peak_bytes,
+            "runtime_bytes": daemon_estimate.runtime_bytes,
+            "overhead_source": daemon_estimate.overhead_source,
+            "estimate_default": estimate_row(daemon_estimate),
+            "estimate_used_context": estimate_row(used),
+            "ratio_default_vs_hwm": daemon_estimate.total_bytes / hwm,
+            "ratio_default_planned_vs_hwm": daemon_estimate.planned_bytes / hwm,
+            "ratio_default_vs_mlx_peak": daemon_estimate.total_bytes / info.mlx_peak_bytes,
             "ratio_used_vs_hwm": used.total_bytes / hwm,
+            "ratio_used_planned_vs_hwm": used.planned_bytes / hwm,
             "ratio_used_vs_mlx_peak": used.total_bytes / info.mlx_peak_bytes,
+            "target_met": used.total_bytes >= hwm
+            and used.planned_bytes <= TARGET_MAX_RATIO * hwm,
         })  # fmt: skip
     daemon.terminate()
     return rows
 
 
-def estimate_parts(estimate: Estimate) -> dict[str, int]:
+def estimate_row(estimate: Estimate) -> dict[str, Any]:
     return {
-        "weights": estimate.weights_bytes,
-        "kv_cache": estimate.kv_cache_bytes,
-        "activations": estimate.activation_bytes,
-        "overhead": estimate.overhead_bytes,
+        "context_tokens": estimate.context_tokens,
+        "estimate_bytes": estimate.total_bytes,
+        "headroom_bytes": estimate.headroom_bytes,
+        "planned_bytes": estimate.planned_bytes,
+        "parts": {
+            "weights": estimate.weights_bytes,
+            "kv_cache": estimate.kv_cache_bytes,
+            "activations": estimate.activation_bytes,
+            "overhead": estimate.overhead_bytes,
+            "runtime": estimate.runtime_bytes,
+        },
     }
 
 
@@ -308,6 +337,54 @@ def daemon_rss(stack: ExitStack, tmp: Path) -> dict[str, Any]:
     }
 
 
+# --- figure 5: a load that can never fit is refused at once ----------------------------------
+
+
+def never_fits(stack: ExitStack, tmp: Path, reps: int) -> dict[str, Any]:
+    """Two idle models on a simulated machine with room for about three; per rep, in
+    alternating order: a load far over the whole machine (refused before any eviction) and a
+    request for a model that does not exist (the anchor: a refusal's round trip)."""
+    estimate = estimate_reference(EVICT_MODEL)
+    assert estimate is not None
+    override_mb = math.ceil(3 * estimate.planned_bytes / MiB) + 64
+    config = f"hot_spare = false\nmemory_override_mb = {override_mb}\n"
+    d = Daemon.start(stack, tmp, "never-fits", config, client_timeout_s=CLIENT_TIMEOUT_S)
+    daemon, client = d.process, d.client
+    for name in ("a", "b"):
+        client.load(EVICT_MODEL, name)
+    pids = {r.name: r.pid for r in client.status().runners}
+
+    def refusal(call: Any, *args: Any, **kwargs: Any) -> tuple[float, str]:
+        started = time.perf_counter()
+        try:
+            call(*args, **kwargs)
+        except ClientError as exc:
+            return time.perf_counter() - started, exc.code
+        raise RuntimeError("not refused")
+
+    samples = []
+    for i in range(reps):
+        note(f"figure 5: rep {i + 1}/{reps}")
+        rep: dict[str, Any] = {}
+        for kind in alternate(i, "never_fits", "unknown"):
+            if kind == "never_fits":
+                rep["never_fits_s"], rep["never_fits_code"] = refusal(
+                    client.load, UNLOADED_MODEL, f"big{i}", context_tokens=NEVER_FITS_CONTEXT
+                )
+            else:
+                rep["unknown_s"], rep["unknown_code"] = refusal(
+                    client.generate_text, f"nosuch{i}", PROMPT, max_tokens=1
+                )
+        samples.append(rep)
+    message = next(str(r["reason"]) for r in daemon.events("admission_refused"))
+    unchanged = {r.name: r.pid for r in client.status().runners} == pids
+    evictions = len(daemon.events("model_evicting"))
+    daemon.terminate()
+    return {"override_mb": override_mb, "model": UNLOADED_MODEL,
+            "context_tokens": NEVER_FITS_CONTEXT, "samples": samples,
+            "message": message, "pids_unchanged": unchanged, "evictions": evictions}  # fmt: skip
+
+
 # --- the run and its tables -----------------------------------------------------------
 
 
@@ -358,6 +435,14 @@ def summarize(results: dict[str, Any]) -> None:
             len(r["evicting_events"]) == 1 and r["evicted"] == r["evicting_events"] for r in tight
         ) and all(not r["evicting_events"] and not r["evicted"] for r in roomy),
     }  # fmt: skip
+    nf = results["never_fits"]
+    results["never_fits"]["summary"] = {
+        "refusal_s": paired([r["never_fits_s"] for r in nf["samples"]],
+                            [r["unknown_s"] for r in nf["samples"]]),
+        "codes_ok": all(r["never_fits_code"] == "insufficient_memory"
+                        and r["unknown_code"] == "unknown_model" for r in nf["samples"]),
+        "nothing_evicted": nf["evictions"] == 0 and nf["pids_unchanged"],
+    }  # fmt: skip
 
 
 def run(reps: int) -> dict[str, Any]:
@@ -371,6 +456,7 @@ def run(reps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mlx-bench-memory-") as tmp_name, ExitStack() as stack:
         tmp = Path(tmp_name)
         results["rss"] = daemon_rss(stack, tmp)
+        results["never_fits"] = never_fits(stack, tmp, reps)
         results["eviction"] = eviction(stack, tmp, reps)
         results["gate"] = {"unloaded_model": UNLOADED_MODEL, "next_model": NEXT_MODEL,
                            "reps": memory_gate(stack, tmp, reps)}  # fmt: skip
@@ -384,15 +470,19 @@ def run(reps: int) -> dict[str, Any]:
 def table(r: dict[str, Any]) -> str:
     estimate_rows = []
     for row in r["estimate"]:
-        for label, key, ratio in (("default", "estimate_default", "default"),
+        for label, key, ratio in (("daemon's", "estimate_default", "default"),
                                   ("used context", "estimate_used_context", "used")):  # fmt: skip
             est = row[key]
             estimate_rows.append((
                 row["model"], f"{label} ({est['context_tokens']} tok)",
-                format_bytes(est["estimate_bytes"]), format_bytes(row["vm_hwm_bytes"]),
-                format_bytes(row["mlx_peak_bytes"]),
-                f"{row[f'ratio_{ratio}_vs_hwm']:.2f}", f"{row[f'ratio_{ratio}_vs_mlx_peak']:.2f}",
+                format_bytes(est["estimate_bytes"]), format_bytes(est["planned_bytes"]),
+                format_bytes(row["vm_hwm_bytes"]), format_bytes(row["mlx_peak_bytes"]),
+                f"{row[f'ratio_{ratio}_vs_hwm']:.2f}",
+                f"{row[f'ratio_{ratio}_planned_vs_hwm']:.2f}",
+                f"{row[f'ratio_{ratio}_vs_mlx_peak']:.2f}",
+                verdict(row["target_met"]) if ratio == "used" else "-",
             ))  # fmt: skip
+    runtime = r["estimate"][0]
     g = r["gate"]["summary"]
     lo, hi = g["returned_share_min_max"] or (math.nan, math.nan)
     gate_rows = []
@@ -443,16 +533,27 @@ def table(r: dict[str, Any]) -> str:
         ("daemon RSS, after unloading all 4", format_bytes(s["daemon_rss_after_unload_bytes"]), ""),
         ("runner RSS (mean of 4)", format_bytes(int(s["runner_rss_mean_bytes"])), ""),
     ]  # fmt: skip
+    nf = r["never_fits"]
+    refusal = nf["summary"]["refusal_s"]
+    never_rows = [
+        ("client call -> refusal", ms(refusal["anchor"], ".1f"), ms(refusal["measured"], ".1f"),
+         f"{refusal['ratio']:.2f}", ms(refusal["difference"], "+.1f")),
+        ("codes / nothing evicted, pids unchanged", "unknown_model", "insufficient_memory",
+         verdict(nf["summary"]["codes_ok"]), verdict(nf["summary"]["nothing_evicted"])),
+    ]  # fmt: skip
     m = r["machine"]
     tokens = r["settings"]["decode_tokens"]
     return "\n\n".join([
         f"mlx {m['mlx']} / mlx-lm {m['mlx_lm']} on {m['mlx_device']}, {m['cpu_count']} cores, "
         f"{r['reps']} reps, {r['elapsed_s']:.0f} s",
         f"1. estimate / measured peak, after load + one {tokens}-token generation\n"
-        "   (default: the daemon's estimate, KV planned for min(8192, the model's limit) tokens;\n"
-        f"   used context: estimate_reference(model, prompt + {tokens}))\n"
-        + render_table(("model", "estimate", "bytes", "VmHWM", "MLX peak", "est/VmHWM",
-                        "est/MLX peak"), estimate_rows),
+        "   (daemon's: its model_estimate record, KV planned for min(8192, the model's limit)\n"
+        "   tokens; used context: the same for prompt + generated tokens; runtime "
+        f"{format_bytes(runtime['runtime_bytes'])}, {runtime['overhead_source']};\n"
+        f"   target: estimate >= VmHWM, planned <= {TARGET_MAX_RATIO} x VmHWM)\n"
+        + render_table(("model", "estimate", "bytes", "planned", "VmHWM", "MLX peak",
+                        "est/VmHWM", "planned/VmHWM", "est/MLX peak", "target"),
+                       estimate_rows),
         f"2. memory gate: unload {UNLOADED_MODEL} -> next load ({NEXT_MODEL}) admitted\n"
         + render_table((f"median of {r['reps']} reps",
                         "nothing unloaded (anchor)", "after unload", "ratio", "difference"),
@@ -464,6 +565,10 @@ def table(r: dict[str, Any]) -> str:
                         "difference"), evict_rows),
         "4. the supervisor's own memory (hot_spare = false)\n"
         + render_table(("figure", "RSS", ""), rss_rows),
+        f"5. a load that cannot fit even with every idle model gone ({nf['model']}, "
+        f"{nf['context_tokens']} tokens; two idle tiny; memory_override_mb {nf['override_mb']})"
+        "\n" + render_table((f"median of {r['reps']} reps", "unknown model (anchor)",
+                             "never fits", "ratio", "difference"), never_rows),
     ])  # fmt: skip
 
 

@@ -452,3 +452,121 @@ def write_json(results: dict[str, Any], out: Path) -> None:
         json.dump(results, f, indent=2)
         f.write("\n")
     os.replace(tmp, out)
+
+
+# --- plain mlx-lm in a process of its own (bench/inproc_worker.py) ------------
+
+WORKER_SCRIPT = BENCH_DIR / "inproc_worker.py"
+
+
+class Worker:
+    """A ``bench/inproc_worker.py`` child; one JSON request/reply per line."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log = log_path.open("a", encoding="utf-8")
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            encoding="utf-8",
+        )
+        self.log_path = log_path
+        self.hello = self._read()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            tail = self.log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+            raise RuntimeError(f"in-process worker exited with {code}:\n{tail}")
+        message: dict[str, Any] = json.loads(line)
+        if not message.get("ok"):
+            raise RuntimeError(f"in-process worker: {message.get('error')}")
+        return message
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        """Ask it to exit and reap it (SIGKILL if it does not go within 10 s)."""
+        try:
+            if self.process.poll() is None:
+                with contextlib.suppress(OSError, RuntimeError, ValueError):
+                    self.request("exit")
+                self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            self._log.close()
+
+
+@contextlib.contextmanager
+def worker(log_path: Path) -> Iterator[Worker]:
+    w = Worker(log_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+# --- one generation on each side ---------------------------------------------
+
+
+def inproc_generate(w: Worker, key: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    r = w.request("generate", key=key, prompt=prompt, max_tokens=max_tokens)
+    return {
+        "ttft_s": r["first_s"],
+        "stream_s": r["end_s"] - r["first_s"],
+        "frames": r["frames"],
+        "generation_tokens": r["generation_tokens"],
+        "reported_tps": r["generation_tps"],
+        "finish_reason": r["finish_reason"],
+        "text": r["text"],
+        "sync_s": r["sync_s"],
+    }
+
+
+def daemon_generate(client: Client, name: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """Stream one greedy generation through the daemon, timed by the client.
+
+    ``ttft_s`` is Generation.ttft_s (request sent -> first TextChunk);
+    ``e2e_ttft_s`` also counts the connect and handshake inside Client.generate.
+    """
+    pieces: list[str] = []
+    first: float | None = None
+    started = time.perf_counter()
+    with client.generate(name, prompt, max_tokens=max_tokens, temperature=0.0, top_p=1.0) as gen:
+        for text in gen:
+            if first is None:
+                first = time.perf_counter()
+            pieces.append(text)
+    end = time.perf_counter()
+    done = gen.done
+    if done is None or first is None or gen.ttft_s is None:
+        raise RuntimeError("the daemon's generation ended without text or stats")
+    return {
+        "ttft_s": gen.ttft_s,
+        "e2e_ttft_s": first - started,
+        "runner_ttft_s": done.ttft_s,
+        "stream_s": end - first,
+        "frames": len(pieces),
+        "generation_tokens": done.generation_tokens,
+        "reported_tps": done.generation_tps,
+        "finish_reason": done.finish_reason,
+        "text": "".join(pieces),
+    }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ipc.messages import CauseClass, ExitAudit, ExitInfo
-from supervisor.memory.classify import classify_exit
+from supervisor.memory.classify import classify_exit, ended_by_failed_step
 
 LIBCXX_ABORT = "libc++abi: terminating due to uncaught exception of type std::runtime_error: "
 
@@ -158,3 +158,19 @@ def test_metal_message_case_matters() -> None:
     # a person's sentence is not the driver's error
     exit_info = died(code=1, tail=["warning: insufficient memory for the cache, trimming"])
     assert classify_exit(exit_info, requested=False, under_pressure=False) == "unknown"
+
+
+def test_a_group_step_that_raised_is_known_by_its_class_not_its_wording() -> None:
+    # The rank's exit audit says the step raised: the request that ran it is
+    # not retried (it would end the restarted group again). Words alone,
+    # whoever wrote them, decide nothing.
+    failed = ExitInfo(74, None, "rank 1: step failed: ValueError: bad shape",
+                      audit=ExitAudit("step failed: ValueError: bad shape", 0, 0,
+                                      cause_class="step_failed"))  # fmt: skip
+    assert classify_exit(failed, requested=False, under_pressure=False) == "step_failed"
+    assert ended_by_failed_step(failed)
+    worded = ExitInfo(1, None, "RuntimeError: the prefill step failed to allocate")
+    assert not ended_by_failed_step(worded)
+    lost = ExitInfo(74, None, "rank 0: peer lost", audit=ExitAudit("peer lost", 0, 0,
+                                                                  cause_class="peer_lost"))
+    assert not ended_by_failed_step(lost)

@@ -196,3 +196,24 @@ def test_clients_find_the_socket_the_config_names(
     broken.write_text("socket_path = [\n")
     failed = status("--config", str(broken))
     assert failed.returncode == 2 and "invalid config" in failed.stderr
+
+
+def test_errors_name_their_code_for_scripts(start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    daemon = start_daemon("hot_spare = false\n")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor", *args],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    unknown = run("unload", "ghost", "--socket", str(daemon.socket_path))
+    assert unknown.returncode == 1
+    assert unknown.stderr.startswith("error [unknown_model]: "), unknown.stderr
+    assert "ghost" in unknown.stderr and unknown.stderr.count("\n") == 1
+    bad = run("load", "builtin:tiny", "--env", "LD_PRELOAD=/x.so",
+              "--socket", str(daemon.socket_path))  # fmt: skip
+    assert bad.returncode == 1 and bad.stderr.startswith("error [bad_request]: "), bad.stderr
+    nobody = run("status", "--socket", str(tmp_path / "nobody.sock"))
+    assert nobody.returncode == 3
+    assert nobody.stderr.startswith("error [unreachable]: no daemon at "), nobody.stderr

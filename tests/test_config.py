@@ -151,18 +151,22 @@ def test_bad_model_tables_are_errors(tmp_path: Path, model: str, expected: str) 
      ("0.0.0.0:11480", 'api_key = "s3cret"\n', False), ("127.0.0.1:0", None, False),
      ("localhost:11480", None, False), ("[::1]:11480", None, False), ("off", None, False)],
 )  # fmt: skip
-def test_load_on_demand_any_beyond_loopback_needs_an_api_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listen: str, key: str | None, refused: bool
+@pytest.mark.parametrize("on_demand", ['"any"', "true", "false"])
+def test_an_http_front_beyond_loopback_needs_an_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listen: str, key: str | None, refused: bool,
+    on_demand: str,
 ) -> None:
+    # Whoever reaches the front can run generations, and load the configured
+    # models (or any, with "any"): beyond loopback that is the whole network.
     path = tmp_path / "c.toml"
-    path.write_text(f'load_on_demand = "any"\nhttp_listen = "{listen}"\n{key or ""}')
+    path.write_text(f'load_on_demand = {on_demand}\nhttp_listen = "{listen}"\n{key or ""}')
     if refused:
         with pytest.raises(ConfigError, match="set api_key, or listen on loopback only"):
             load_config(path)
     else:
         load_config(path)
     loopback = tmp_path / "loopback.toml"
-    loopback.write_text(f'load_on_demand = "any"\n{key or ""}')
+    loopback.write_text(f'load_on_demand = {on_demand}\n{key or ""}')
     config = load_config(loopback)
     monkeypatch.setenv(HTTP_ENV, listen)  # the same, from $MLX_SUPERVISOR_HTTP or serve --http
     if refused:
@@ -172,3 +176,15 @@ def test_load_on_demand_any_beyond_loopback_needs_an_api_key(
             with_http_override(config, listen)
     else:
         assert with_http_override(config, listen).http_listen == listen
+
+
+def test_http_allowed_hosts_takes_names_and_addresses_without_ports(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    hosts = ["mybox.lan", "MyBox.Lan.", "192.0.2.7", "[::1]", "::1", "fd00::7", "*"]
+    path.write_text(f"http_allowed_hosts = {hosts!r}\n".replace("'", '"'))
+    assert load_config(path).http_allowed_hosts == hosts
+    assert SupervisorConfig().http_allowed_hosts == []
+    for bad in ("mybox.lan:8080", "http://mybox.lan", "", "a b", "*.lan", "[::1]:80"):
+        path.write_text(f'http_allowed_hosts = ["{bad}"]\n')
+        with pytest.raises(ConfigError, match=r"http_allowed_hosts"):
+            load_config(path)

@@ -75,6 +75,22 @@ exec /bin/sh -c "$2"
 """
 
 
+def remote_pair(tmp_path: Path, ssh_script: str) -> tuple[Path, str]:
+    """A hostfile of two ranks, the second on "node-b.test" reached through
+    ``ssh_script`` (a stand-in ssh), and the daemon config that goes with it."""
+    ssh = tmp_path / "fake-ssh"
+    ssh.write_text(ssh_script)
+    ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts.json"
+    hosts = [
+        {"ssh": "localhost", "ips": ["127.0.0.1"]},
+        {"ssh": "node-b.test", "ips": ["127.0.0.1"]},
+    ]
+    hostfile.write_text(json.dumps({"hosts": hosts}))
+    base = free_ports(1)[0] - 1  # rank 1 listens on base + 1 "there"
+    return hostfile, f"ssh_command = [{str(ssh)!r}]\ndistributed_port_base = {base}\n"
+
+
 @pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-qwen3"])
 def test_two_ranks_answer_as_one_process_does(
     start_daemon: DaemonFactory, tmp_path: Path, model: str
@@ -228,17 +244,8 @@ def test_free_ports_are_distinct_and_bindable() -> None:
 def test_a_rank_on_another_host_runs_through_ssh_and_answers_as_one_process_does(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
-    ssh = tmp_path / "fake-ssh"
-    ssh.write_text(FAKE_SSH)
-    ssh.chmod(0o755)
-    hostfile = tmp_path / "hosts.json"
-    hosts = [
-        {"ssh": "localhost", "ips": ["127.0.0.1"]},
-        {"ssh": "node-b.test", "ips": ["127.0.0.1"]},
-    ]
-    hostfile.write_text(json.dumps({"hosts": hosts}))
-    base = free_ports(1)[0] - 1  # rank 1 listens on base + 1 "there"
-    daemon = start_daemon(FAST + f"ssh_command = [{str(ssh)!r}]\ndistributed_port_base = {base}\n")
+    hostfile, config = remote_pair(tmp_path, FAKE_SSH)
+    daemon = start_daemon(FAST + config)
     client = Client(daemon.socket_path)
     client.load("builtin:tiny", "single")
     client.load("builtin:tiny", "pair", hostfile=str(hostfile))
@@ -253,6 +260,32 @@ def test_a_rank_on_another_host_runs_through_ssh_and_answers_as_one_process_does
     pair, _ = client.generate_text("pair", PROMPT, max_tokens=16)
     assert pair == single
     pids = [pid for r in info.ranks if (pid := r.pid) is not None]
+    client.unload("pair")
+    assert wait_exited(pids, timeout_s=10) == []
+
+
+def test_a_remote_ranks_environment_travels_on_its_pipe_never_in_an_argv(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    # ssh puts its command line in the argv of ssh here and of the shell
+    # there, which every user of either machine can read: a token in the
+    # model's env must not be in it. It reaches the rank before anything
+    # else runs there (its fault injection, read at start, is set by it).
+    hostfile, config = remote_pair(tmp_path, FAKE_SSH.replace("exec /bin/sh", "/bin/sh"))
+    daemon = start_daemon(FAST + config)  # (that ssh stays, with its argv, as ssh does)
+    client = Client(daemon.socket_path)
+    secret = "hf_s3cret-token-value"
+    env = {"HF_TOKEN": secret, "MLX_SUPERVISOR_FAULTS": "crash_at_token=1000000:SIGKILL"}
+    client.load("builtin:tiny", "pair", hostfile=str(hostfile), env=env)
+    descendants = psutil.Process(daemon.pid).children(recursive=True)
+    argvs = [" ".join(p.cmdline()) for p in descendants if p.is_running()]
+    assert any("node-b.test" in argv for argv in argvs)  # the ssh session is there
+    assert not [argv for argv in argvs if secret in argv]
+    ranks = {record.get("rank") for record in daemon.events("fault_injection_enabled")}
+    assert ranks == {0, 1}  # the remote rank had its environment before its start
+    text, _ = client.generate_text("pair", PROMPT, max_tokens=4)
+    assert text
+    pids = [pid for r in runner(client, "pair").ranks if (pid := r.pid) is not None]
     client.unload("pair")
     assert wait_exited(pids, timeout_s=10) == []
 

@@ -7,11 +7,13 @@ alone or in a batch (on the fp32 builtins, where batching is exact).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 
 from ipc.messages import (
@@ -21,6 +23,7 @@ from ipc.messages import (
     Generate,
     GenerationDone,
     GenerationFailed,
+    Heartbeat,
     MemoryPlan,
     SamplingParams,
     TextChunk,
@@ -59,7 +62,7 @@ class Harness:
     """An engine with its frames collected per request, and cancels by id."""
 
     def __init__(self, model: LoadedModel, settings: EngineSettings | None = None,
-                 guard: MemoryGuard | None = None) -> None:  # fmt: skip
+                 guard: MemoryGuard | None = None, faults: str = "") -> None:  # fmt: skip
         self.frames: list[Any] = []
         self.cancelled: set[int] = set()
         self.finished: list[int] = []
@@ -68,7 +71,7 @@ class Harness:
             model.tokenizer,
             settings or EngineSettings(),
             guard=guard or MemoryGuard(),
-            faults=Faults(""),
+            faults=Faults(faults),
             send=self.frames.append,
             is_cancelled=self.cancelled.__contains__,
             on_finished=lambda request_id, tokens: self.finished.append(request_id),
@@ -542,7 +545,7 @@ def test_a_request_that_comes_in_goes_first_and_takes_what_was_prefilled(
     history = [ChatMessage("system", "You are terse. " * 40), ChatMessage("user", "Hi?")]
     first = h.submit(list(history), max_tokens=24)
     h.run()
-    h.engine._prefill_tps = 40.0  # a slow model: next-turn chunks of a few tokens
+    h.engine.pacer.rate_tps = 40.0  # a slow model: next-turn chunks of a few tokens
     h.engine.step()  # one chunk of the next turn
     turn = h.engine.next_turns[0]
     assert turn.tokens is not None and 0 < turn.done < len(turn.tokens)
@@ -762,3 +765,72 @@ def test_a_next_turn_the_cache_could_not_keep_is_not_computed(tiny: LoadedModel)
     h.settle()
     stats = h.engine.stats().next_turn
     assert stats is not None and (stats.prefilled, stats.tokens, stats.dropped) == (0, 0, 1)
+
+
+# --- prefill in paced chunks --------------------------------------------------------
+
+LONG_PROMPT = " ".join(f"line {i}: the supervisor keeps its runners alive." for i in range(40))
+
+
+def test_a_prompt_prefilled_in_paced_chunks_gives_mlx_lms_own_tokens(tiny: LoadedModel) -> None:
+    # 2 ms a prompt token and 50 ms steps: chunks of about 25 tokens.
+    h = Harness(tiny, EngineSettings(prefix_cache=False, prefill_chunk_s=0.05),
+                faults="slow_prefill=0.002")  # fmt: skip
+    request_id = h.submit(LONG_PROMPT, max_tokens=24)
+    h.run()
+    done = h.done(request_id)
+    job_prompt = build_prompt_tokens(tiny.tokenizer, Generate(0, prompt=LONG_PROMPT))
+    expected = mlx_lm.generate(tiny.model, tiny.tokenizer, prompt=job_prompt, max_tokens=24)
+    assert h.text(request_id) == expected
+    assert done.prompt_tokens == len(job_prompt) > 300
+    beats = [f for f in h.frames if isinstance(f, Heartbeat) and f.phase == "prefill"]
+    assert beats and beats[-1].progress >= 5  # a step of progress per chunk
+
+
+def test_each_prefill_chunk_is_announced_with_the_time_it_should_take(tiny: LoadedModel) -> None:
+    # 5 ms a token and 0.6 s steps: after the first (32 tokens, its rate not
+    # known yet), each chunk is announced before it starts, as it outlasts the
+    # heartbeat interval, stating the 0.6 s it should take.
+    h = Harness(tiny, EngineSettings(prefix_cache=False, prefill_chunk_s=0.6),
+                faults="slow_prefill=0.005")  # fmt: skip
+    request_id = h.submit(LONG_PROMPT, max_tokens=2)
+    h.run()
+    done = h.done(request_id)
+    assert done.generation_tokens == 2
+    chunks = math.ceil((done.prompt_tokens - 1 - 32) / (0.6 / 0.005))
+    stated = [f.step_s for f in h.frames if isinstance(f, Heartbeat) and f.phase == "prefill"]
+    announced = [step_s for step_s in stated if step_s == pytest.approx(0.6, rel=0.05)]
+    assert len(announced) >= chunks - 1  # the last chunk may be short
+
+
+def test_a_cancel_between_prefill_chunks_ends_the_request_before_its_first_token(
+    tiny: LoadedModel,
+) -> None:
+    h = Harness(tiny, EngineSettings(prefill_chunk_s=0.05), faults="slow_prefill=0.002")
+    request_id = h.submit(LONG_PROMPT, max_tokens=24)
+    h.engine.step()  # the first chunk
+    h.engine.step()  # the second
+    solo = h.engine.solo
+    assert solo is not None and 0 < solo.prefilled < len(solo.rest) - 1
+    h.cancelled.add(request_id)
+    h.engine.step()
+    done = h.done(request_id)
+    assert done.finish_reason == "cancelled" and done.generation_tokens == 0
+    assert h.engine.idle
+
+
+def test_a_lone_request_joins_a_batch_with_the_prompt_it_has_left(tiny: LoadedModel) -> None:
+    # A lone request halfway through its prefill moves into a batch when a
+    # second comes: it goes on from the chunks it computed, to the same tokens.
+    reference, _ = alone(tiny, LONG_PROMPT, 16)
+    h = Harness(tiny, EngineSettings(prefix_cache=False, prefill_chunk_s=0.05),
+                faults="slow_prefill=0.001")  # fmt: skip
+    first = h.submit(LONG_PROMPT, 16)
+    h.engine.step()
+    h.engine.step()
+    solo = h.engine.solo
+    assert solo is not None and solo.prefilled > 0
+    second = h.submit(PROMPTS[0], 16)
+    h.run()
+    assert h.done(first).batched and h.done(second).batched
+    assert h.text(first) == reference

@@ -16,8 +16,11 @@ import pytest
 
 from runner.builtin import ensure_builtin_model
 from runner.gguf_import import default_weight_dtype
+from supervisor.memory.baseline import RuntimeBaseline
 from supervisor.memory.estimate import (
     DEFAULT_CONTEXT_TOKENS,
+    HEADROOM_SHARE,
+    RUNTIME_DEFAULT_BYTES,
     Estimate,
     default_context_tokens,
     estimate_json,
@@ -25,7 +28,9 @@ from supervisor.memory.estimate import (
     estimate_reference,
     local_model_path,
     render_estimate,
+    with_runtime,
 )
+from supervisor.runner_group import group_estimate
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4}
 
@@ -211,8 +216,90 @@ def test_total_is_the_sum_of_the_parts(tmp_path: Path) -> None:
     )
     assert all(part >= 0 for part in parts)
     assert e.total_bytes == sum(parts)
-    assert e.overhead_bytes > 0
+    assert e.overhead_bytes > e.runtime_bytes > 0
     assert e.activation_bytes > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime overhead and headroom
+# --------------------------------------------------------------------------------------------
+
+
+def test_without_a_measurement_the_runtime_is_the_stated_default(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG, qwen3_4b_tensors())
+
+    e = estimate_model_dir(model)
+
+    assert (e.runtime_bytes, e.overhead_source) == (RUNTIME_DEFAULT_BYTES, "default")
+
+
+def test_a_measured_runtime_replaces_the_default_in_overhead_and_total(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG, qwen3_4b_tensors())
+    e = estimate_model_dir(model, context_tokens=4096)
+    measured = 90 * 2**20
+
+    planned = with_runtime(e, measured, "spare")
+
+    assert (planned.runtime_bytes, planned.overhead_source) == (measured, "spare")
+    assert planned.overhead_bytes == e.overhead_bytes - RUNTIME_DEFAULT_BYTES + measured
+    assert planned.total_bytes == e.total_bytes - RUNTIME_DEFAULT_BYTES + measured
+    assert planned.headroom_bytes == e.headroom_bytes  # the model's parts did not change
+    assert with_runtime(planned, RUNTIME_DEFAULT_BYTES, "default") == e
+
+
+def test_headroom_is_a_share_of_the_model_not_a_fixed_floor() -> None:
+    tiny, small = estimate_reference("builtin:tiny"), estimate_reference("builtin:small")
+    assert tiny is not None and small is not None
+
+    for e in (tiny, small):
+        model_part = e.total_bytes - e.runtime_bytes
+        assert e.headroom_bytes == round(HEADROOM_SHARE * model_part)
+    assert tiny.headroom_bytes < 16 * 2**20 < small.headroom_bytes  # no 256 MiB floor
+
+
+def test_a_group_splits_the_model_and_counts_a_runtime_per_local_rank(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG, qwen3_4b_tensors())
+    one = with_runtime(estimate_model_dir(model, context_tokens=4096), 90 * 2**20, "runner")
+
+    two_here = group_estimate(one, 2)
+    one_of_two = group_estimate(one, 2, local=1)
+
+    assert two_here.runtime_bytes == 2 * one.runtime_bytes
+    assert one_of_two.runtime_bytes == one.runtime_bytes
+    assert two_here.overhead_source == "runner"
+    for e in (two_here, one_of_two):
+        parts = (e.weights_bytes + e.kv_cache_bytes + e.activation_bytes + e.overhead_bytes
+                 + e.vision_bytes)  # fmt: skip
+        assert abs(e.total_bytes - parts) <= 2  # each split part rounded down on its own
+        model_part = e.total_bytes - e.runtime_bytes
+        assert abs(e.headroom_bytes - HEADROOM_SHARE * model_part) <= 1
+
+
+def test_the_runtime_baseline_takes_a_spare_over_a_runner_over_the_default() -> None:
+    baseline = RuntimeBaseline()
+    assert (baseline.runtime_bytes, baseline.source, baseline.measured) == (
+        RUNTIME_DEFAULT_BYTES, "default", False)  # fmt: skip
+
+    baseline.observe(95 * 2**20, "runner")  # a runner at its start, before its weights
+    assert (baseline.runtime_bytes, baseline.source, baseline.measured) == (
+        95 * 2**20, "runner", True)  # fmt: skip
+
+    baseline.observe(88 * 2**20, "spare")
+    baseline.observe(120 * 2**20, "runner")  # a spare's reading is not replaced by a runner's
+    assert (baseline.runtime_bytes, baseline.source) == (88 * 2**20, "spare")
+
+    baseline.observe(90 * 2**20, "spare")  # the latest spare is the truth
+    baseline.observe(0, "spare")  # a process gone before it was read: no reading
+    assert (baseline.runtime_bytes, baseline.source) == (90 * 2**20, "spare")
+
+
+def test_the_runtime_baseline_applies_itself_to_an_estimate(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG, qwen3_4b_tensors())
+    e = estimate_model_dir(model)
+    baseline = RuntimeBaseline()
+    assert baseline.apply(e) == e
+    baseline.observe(91 * 2**20, "spare")
+    assert baseline.apply(e) == with_runtime(e, 91 * 2**20, "spare")
 
 
 def test_index_json_names_the_weight_files_and_other_safetensors_are_ignored(
@@ -669,7 +756,12 @@ def test_estimate_json_has_exactly_the_documented_keys(tmp_path: Path) -> None:
         "vision",
         "weights_source",
         "path",
+        "runtime_bytes",
+        "overhead_source",
+        "headroom_bytes",
+        "planned_bytes",
     }
+    assert document["planned_bytes"] == document["total_bytes"] + document["headroom_bytes"]
     json.dumps(document)  # serialisable as is
 
 
@@ -686,6 +778,9 @@ def test_render_estimate_prints_a_line_per_part_and_the_source() -> None:
         vision=True,
         weights_source="safetensors",
         path="/models/qwen",
+        runtime_bytes=gib // 8,
+        overhead_source="spare",
+        headroom_bytes=gib,
     )
 
     text = render_estimate(estimate, "qwen")
@@ -697,6 +792,9 @@ def test_render_estimate_prints_a_line_per_part_and_the_source() -> None:
     assert re.search(r"runner overhead\s+512\.0 MiB", text)
     assert re.search(r"vision encoder\s+1\.2 GiB", text)
     assert re.search(r"total\s+9\.7 GiB", text)
+    assert re.search(r"runtime \(measured: the warm spare\)\s+128\.0 MiB", text)
+    assert re.search(r"headroom\s+1\.0 GiB", text)
+    assert re.search(r"planned\s+10\.7 GiB", text)
     assert "safetensors headers" in text
     assert "/models/qwen" in text
     text_only = msgspec.structs.replace(estimate, vision=False, vision_bytes=0)

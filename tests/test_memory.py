@@ -16,7 +16,12 @@ from conftest import DaemonFactory
 from ipc.messages import FAULTS_ENV, RunnerInfo
 from supervisor.client import Client, ClientError
 from supervisor.daemon_process import DaemonProcess
-from supervisor.memory.estimate import Estimate, estimate_reference
+from supervisor.memory.estimate import (
+    RUNTIME_DEFAULT_BYTES,
+    Estimate,
+    estimate_reference,
+    with_runtime,
+)
 
 MiB = 1 << 20
 PROMPT = "The quick brown fox"
@@ -59,6 +64,13 @@ def events_for(daemon: DaemonProcess, event: str, model: str) -> list[dict[str, 
     return [r for r in daemon.events(event) if r.get("model") == model]
 
 
+def estimate_record(daemon: DaemonProcess, model: str) -> dict[str, object]:
+    """The estimate admission planned ``model``'s latest runner with (the daemon's log)."""
+    records = events_for(daemon, "model_estimate", model)
+    assert records, f"no model_estimate for {model}"
+    return records[-1]
+
+
 def test_admission_refuses_with_numbers_and_spawns_nothing(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon(memory_config(1000))
     client = Client(daemon.socket_path)
@@ -68,6 +80,9 @@ def test_admission_refuses_with_numbers_and_spawns_nothing(start_daemon: DaemonF
     message = refused.value.message
     assert "needs" in message and "available" in message and "GiB" in message, message
     assert "nothing idle to evict" in message
+    # The parts it was planned with: the runtime (and where that figure came from), headroom.
+    assert "runtime" in message and "nothing measured yet" in message, message
+    assert "headroom" in message, message
     assert daemon.events("runner_spawned") == []
     assert client.status().runners == []
     assert client.status().counters.get("admission_refused") == 1
@@ -94,7 +109,78 @@ def test_lru_idle_model_evicted_to_make_room_pinned_kept(start_daemon: DaemonFac
     assert client.status().counters.get("evicted") == 1
     big = runner(client, "big")
     assert big is not None and big.memory_budget_bytes is not None
-    assert big.estimate_bytes == estimate("builtin:small", context).total_bytes
+    # The daemon's estimate: this one's, with the runtime it measured (a's runner at its start).
+    record = estimate_record(daemon, "big")
+    assert record["overhead_source"] == "runner", record
+    runtime = int(str(record["runtime_bytes"]))
+    assert big.estimate_bytes == with_runtime(estimate("builtin:small", context), runtime,
+                                              "runner").total_bytes  # fmt: skip
+
+
+def test_a_load_that_cannot_fit_even_with_every_idle_model_gone_evicts_nothing(
+    start_daemon: DaemonFactory,
+) -> None:
+    tiny = estimate("builtin:tiny").total_bytes
+    total_mb = (3 * tiny + 400 * MiB) // MiB
+    daemon = start_daemon(memory_config(total_mb))
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "a")
+    client.load("builtin:tiny", "b")
+    pids = {r.name: r.pid for r in client.status().runners}
+    context = context_for("builtin:small", total_mb * MiB + 64 * MiB)  # over the whole machine
+    with pytest.raises(ClientError) as refused:
+        client.load("builtin:small", "big", context_tokens=context)
+    assert refused.value.code == "insufficient_memory"
+    message = refused.value.message
+    assert "if every idle model were unloaded" in message, message
+    assert daemon.events("model_evicting") == []
+    assert {r.name: r.pid for r in client.status().runners} == pids
+    assert {r.state for r in client.status().runners} == {"ready"}
+    assert client.status().counters.get("evicted") is None
+
+
+def test_the_estimate_plans_the_warm_spares_measured_runtime(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon("ping_timeout_s = 1.0\n")  # the hot spare is on by default
+    client = Client(daemon.socket_path)
+
+    def spare_warm() -> bool:
+        spare = client.status().spare
+        return spare is not None and spare.warm and spare.rss_bytes is not None
+
+    daemon.wait_until(spare_warm)
+    spare = client.status().spare
+    assert spare is not None and spare.rss_bytes is not None
+    client.load("builtin:tiny")
+    record = estimate_record(daemon, "tiny")
+    assert record["overhead_source"] == "spare", record
+    runtime = int(str(record["runtime_bytes"]))
+    assert 0.8 * spare.rss_bytes <= runtime <= 1.25 * spare.rss_bytes, (runtime, spare)
+    info = runner(client, "tiny")
+    assert info is not None and info.estimate_bytes == record["total_bytes"]
+    # Granted: the estimate plus the model's own headroom, a share of it.
+    headroom = int(str(record["headroom_bytes"]))
+    assert 0 < headroom < int(str(record["total_bytes"])) // 4
+    assert info.memory_budget_bytes == info.estimate_bytes + headroom
+
+
+def test_before_any_spare_the_first_runner_measures_the_runtime(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("hot_spare = false\n")
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", "a")
+    first = estimate_record(daemon, "a")
+    assert first["overhead_source"] == "default", first
+    assert first["runtime_bytes"] == RUNTIME_DEFAULT_BYTES
+    daemon.wait_until(lambda: bool(daemon.events("runtime_measured")))
+    client.load("builtin:tiny", "b")
+    second = estimate_record(daemon, "b")
+    assert second["overhead_source"] == "runner", second
+    runtime = int(str(second["runtime_bytes"]))
+    a = runner(client, "a")
+    assert a is not None and a.rss_bytes is not None
+    # a's runner at its start, mlx imported: more than nothing, less than it holds loaded.
+    assert 20 * MiB < runtime < a.rss_bytes, (runtime, a.rss_bytes)
 
 
 def test_busy_and_pinned_models_are_never_evicted(start_daemon: DaemonFactory) -> None:

@@ -255,6 +255,47 @@ def test_hung_decode_is_killed_from_outside_and_restarted(
     wait_for_state(client, "tiny", {"ready"}, daemon)
 
 
+# A prompt of about 600 tokens on builtin:tiny (its byte-level BPE takes a few
+# characters a token).
+LONG_PROMPT = " ".join(f"line {i}: the supervisor keeps its runners alive." for i in range(60))
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        # The prompt in one chunk of mlx-lm's 2,048 tokens would take about 5 s
+        # without a word to the supervisor, past the 2 s limit: chunks sized
+        # from the measured rate report every prefill_chunk_s (1 s) instead.
+        "prefill_stall_s = 2.0\n",
+        # Chunks of about 2.5 s against a 1 s limit: each is announced in a
+        # heartbeat before it starts, and the limit stretches to 3 times that.
+        "prefill_stall_s = 1.0\nprefill_chunk_s = 2.5\n",
+    ],
+    ids=["chunked", "announced"],
+)
+def test_a_slow_prefill_is_never_taken_for_a_hang(start_daemon: DaemonFactory, limits: str) -> None:
+    daemon = start_daemon(FAST + NEVER + limits + "stall_kill_grace_s = 0.3\n")
+    client = Client(daemon.socket_path)
+    loaded = client.load("builtin:tiny", env=faults("slow_prefill=0.008"))  # 8 ms a prompt token
+    _, done = client.generate_text("tiny", LONG_PROMPT, max_tokens=4)
+    assert done.prompt_tokens > 500 and done.generation_tokens == 4
+    assert not daemon.events("runner_stalled")
+    assert runner(client, "tiny").pid == loaded.pid
+
+
+def test_a_prefill_that_hangs_between_chunks_is_still_killed(start_daemon: DaemonFactory) -> None:
+    daemon = start_daemon(FAST + NEVER + "prefill_stall_s = 1.0\nstall_kill_grace_s = 0.3\n")
+    client = Client(daemon.socket_path)
+    loaded = client.load("builtin:tiny", env=faults("slow_prefill=0.002,hang_in_prefill=3:c"))
+    with pytest.raises(ClientError) as excinfo:
+        client.generate_text("tiny", LONG_PROMPT, max_tokens=4)
+    assert "stalled in prefill" in excinfo.value.message
+    (stall,) = daemon.events("runner_stalled")
+    assert stall["phase"] == "prefill" and stall["runner_pid"] == loaded.pid
+    assert daemon.events("escalate_sigkill")  # SIGTERM is masked in the hang
+    assert_reaped(loaded.pid)
+
+
 def test_idle_runner_that_stops_answering_pings_is_killed(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon(
         FAST + "ping_timeout_s = 0.8\nstall_kill_grace_s = 0.3\nrestart = 'never'\n"

@@ -488,7 +488,8 @@ def test_pongs_carry_the_latest_figures_and_the_audit_counts_what_was_served() -
         assert isinstance(channel.recv(), Started)
         channel.send(Ping(1))
         before = channel.recv()
-        assert isinstance(before, Pong) and before.memory.active_bytes == 0
+        # No model yet: only what setting the device up left (bytes, on the CPU).
+        assert isinstance(before, Pong) and before.memory.active_bytes < 1 << 20
         channel.send(LoadModel("tiny", "builtin:tiny", max_tokens_cap=8))
         while not isinstance(event := channel.recv(), Ready):
             assert isinstance(event, LoadProgress), event

@@ -174,6 +174,29 @@ def test_allowed_uids_lets_another_user_in(open_dir: Path, nobody: int) -> None:
     assert not daemon.events("client_refused")
 
 
+def test_only_the_daemons_own_user_may_inject_faults(open_dir: Path, nobody: int) -> None:
+    # Fault injection makes a runner (the daemon's user) crash, hang, hold
+    # memory or write files on request: another user let in by allowed_uids
+    # must not have that power over the owner's processes and files.
+    daemon = start_reachable(open_dir, f"allowed_uids = [{nobody}]\nhot_spare = false\n")
+    owner = os.geteuid()
+    target = open_dir / "written-by-a-fault"
+
+    def inject() -> bytes:
+        client = Client(daemon.socket_path, timeout_s=20, daemon_uid=owner)
+        env = {"MLX_SUPERVISOR_FAULTS": f"write_at_token=1:{target}"}
+        try:
+            client.load("builtin:tiny", env=env)
+        except ClientError as exc:
+            return f"{exc.code}: {exc.message}".encode()
+        return b"loaded"
+
+    answer = as_user(nobody, inject).decode()
+    assert answer.startswith("forbidden: ") and "MLX_SUPERVISOR_FAULTS" in answer
+    assert Client(daemon.socket_path).status().runners == []  # nothing was started
+    assert not target.exists()
+
+
 def test_the_client_refuses_a_socket_served_by_another_uid(open_dir: Path, nobody: int) -> None:
     os.chmod(open_dir, 0o777)
     path = open_dir / "impostor.sock"

@@ -34,6 +34,7 @@ CauseClass = Literal[
     "gpu_timeout",  # kIOGPUCommandBufferCallbackErrorTimeout
     "cuda_oom",
     "peer_lost",  # a rank of a distributed group lost its peer
+    "step_failed",  # a step raised on a rank of a group: the group cannot go on
     "memory_guard",  # the runner's own guard stopped a load
     "segfault",
     "oom_killed",  # SIGKILL while the system was under memory pressure
@@ -44,8 +45,8 @@ CauseClass = Literal[
 admission before any restart."""
 MEMORY_CAUSES: frozenset[str] = frozenset({"metal_oom", "cuda_oom", "memory_guard", "oom_killed"})
 GROUP_STEP_FAILED = "step failed"
-"""How a rank's exit cause starts when a step raised (not a lost peer): the
-request that ran it ended the group, and is not retried."""
+"""How a rank's exit cause starts when a step raised (not a lost peer); its
+exit audit's class is ``step_failed``."""
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -290,12 +291,23 @@ class Unloaded(msgspec.Struct, tag="unloaded"):
     exit: ExitInfo
 
 
+class UnkillableRunner(msgspec.Struct):
+    """A runner process SIGKILL has not ended (it sleeps uninterruptibly): its
+    model is gone, but it holds its memory (``rss_bytes``, as last measured)
+    until the kernel lets it die."""
+
+    name: str
+    pid: int
+    rss_bytes: int | None = None
+
+
 class SupervisorInfo(msgspec.Struct):
     pid: int
     version: str
     uptime_s: float
     socket: str
     http: str | None = None  # the HTTP front's base URL (None: off, or its port was taken)
+    unkillable: list[UnkillableRunner] = []
 
 
 class SystemInfo(msgspec.Struct):
@@ -466,6 +478,8 @@ class EngineSettings(msgspec.Struct, frozen=True):
     the prefill they all expect (at most 50 ms) for others to prefill with;
     0 never waits. ``next_turn_prefill``: after a chat answer, while
     idle, prefill the next turn's start into the prefix cache.
+    ``prefill_chunk_s``: a prefill step computes as many prompt tokens as
+    take about this long at the rate measured on the model.
     """
 
     max_concurrent: int = 8
@@ -475,6 +489,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     stream_interval_s: float = 0.025
     batch_wait_share: float = 0.02
     next_turn_prefill: bool = True
+    prefill_chunk_s: float = 1.0
 
 
 class Distributed(msgspec.Struct, frozen=True):
@@ -535,7 +550,16 @@ class ClearCache(msgspec.Struct, tag="clear_cache"):
     """Drop the prefix cache; the runner answers :class:`CacheCleared`."""
 
 
-RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache
+class Environment(msgspec.Struct, tag="environment"):
+    """The first frame to a runner on another machine, before any Hello: the
+    model's environment variables. ssh would put them in its command line,
+    which every user of either machine can read (a token such as HF_TOKEN);
+    the runner sets them before it does anything else."""
+
+    env: dict[str, str]
+
+
+RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache | Environment
 
 # --- runner -> supervisor ----------------------------------------------------
 
@@ -543,20 +567,28 @@ RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache
 class Started(msgspec.Struct, tag="started"):
     """The runner has imported mlx and mlx_lm and waits for a LoadModel.
     It says what memory its machine has (0: unknown), for a rank on another
-    machine than the supervisor's."""
+    machine than the supervisor's, and its runtime before any model: what
+    MLX holds once its device is set up (``memory``) and its own RSS, read
+    before it takes any command (a LoadModel may be waiting already)."""
 
     import_s: float
     memory_total_bytes: int = 0
     memory_available_bytes: int = 0
+    memory: MemoryFigures = MemoryFigures()
+    rss_bytes: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     """Progress from the runner's working loop (``phase`` is ``prefill`` or
-    ``decode``); load progress and text chunks count as heartbeats too."""
+    ``decode``); load progress and text chunks count as heartbeats too.
+    ``step_s``: how long the runner expects its step under way to take (a
+    prefill chunk about to start, or the step just done), where it knows;
+    the stall watchdog never gives a step less than a multiple of it."""
 
     phase: str
     progress: int
     memory: MemoryFigures | None = None
+    step_s: float | None = None
 
 
 class Ready(msgspec.Struct, tag="ready"):

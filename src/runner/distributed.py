@@ -59,6 +59,16 @@ class Group:
         total = mx.distributed.all_sum(local, group=self.group, stream=mx.cpu)
         return [bool(total[i].item()) for i in range(len(flags))]
 
+    def agree_with_step(self, stop: bool, cancelled: bool, size: int) -> tuple[bool, bool, int]:
+        """Each flag, true if it is true on any rank, and rank 0's ``size``
+        (a step's size each rank would choose from its own timings), in one
+        ``all_sum``. Every rank must call this at the same point."""
+        size = size if self.rank == 0 else 0
+        local = mx.array([int(stop), int(cancelled), size], dtype=mx.int64)
+        total = mx.distributed.all_sum(local, group=self.group, stream=mx.cpu)
+        values = cast(list[int], total.tolist())
+        return bool(values[0]), bool(values[1]), values[2]
+
     def same_seed(self) -> None:
         """Seed every rank's generator alike: sampling with a temperature then
         draws the same tokens everywhere."""

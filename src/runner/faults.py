@@ -18,6 +18,13 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 - ``hang_random=P[:c]``: at each token, with probability P, hang as above.
 - ``hang_at_load[=c]``: hang before the weights are evaluated.
 - ``hang_when_idle[=c]``: hang right after Ready (pings go unanswered).
+- ``write_at_token=N:PATH``: at token N write to PATH and sync it. On a
+  frozen filesystem (``fsfreeze``) the write sleeps uninterruptibly: the
+  process cannot be killed, even by SIGKILL, until it is thawed.
+- ``slow_prefill=S``: each prefill chunk takes S seconds more per prompt token
+  it computes: a model that prefills slowly, on a fast one.
+- ``hang_in_prefill=N[:c]``: hang as above at the start of a request's N-th
+  prefill chunk (from 1).
 - ``exit_in_handshake``: exit(1) before sending our Hello.
 - ``exit_at_import``: exit(1) right after the handshake, as a broken mlx
   install would (a hot spare that can never start).
@@ -147,11 +154,32 @@ class Faults:
             if random.random() < float(chance):
                 self._fire()
                 hang(how)
+        if "write_at_token" in self:
+            at, _, path = self.arg("write_at_token").partition(":")
+            if n == int(at):
+                self._fire()
+                with open(path, "a") as file:  # appends: never truncates a file
+                    file.write("written by a runner")
+                    file.flush()
+                    os.fsync(file.fileno())
         if "hog_at_token" in self:
             at, _, mebibytes = self.arg("hog_at_token").partition(":")
             if n == int(at):
                 self._fire()
                 self._request_held.append(hog(int(mebibytes)))
+
+    def prefill_chunk(self, index: int, tokens: int) -> None:
+        """Apply the prefill faults to a request's ``index``-th chunk (from 1)
+        of ``tokens`` prompt tokens, before it is computed."""
+        if not self._items:  # the usual case
+            return
+        if "hang_in_prefill" in self:
+            at, _, how = self.arg("hang_in_prefill").partition(":")
+            if index == int(at):
+                self._fire()
+                hang(how)
+        if "slow_prefill" in self:
+            time.sleep(float(self.arg("slow_prefill")) * tokens)
 
     def end_request(self) -> None:
         """Drop what ``hog_at_token`` held for the request that ended."""

@@ -31,6 +31,7 @@ from ipc.messages import (
     Cancel,
     CauseClass,
     ClearCache,
+    Environment,
     ExitAudit,
     Generate,
     GenerationFailed,
@@ -225,7 +226,7 @@ class Runner:
                 raise RunnerExit(
                     EXIT_GROUP_BROKEN,
                     f"{'peer lost' if lost else GROUP_STEP_FAILED}: {type(exc).__name__}: {exc}",
-                    "peer_lost" if lost else None,
+                    "peer_lost" if lost else "step_failed",
                 ) from exc
             log.exception("engine_step_failed")
             engine.fail_all(exc)
@@ -399,13 +400,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--read-fd", type=int, required=True)
     parser.add_argument("--write-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--env-first", action="store_true",
+                        help="read the environment from the first frame on --read-fd")  # fmt: skip
     return parser.parse_args(argv)
+
+
+def take_environment(channel: BlockingChannel[RunnerCommand]) -> None:
+    """Set the environment the supervisor sends as its first frame (a rank
+    on another machine: not on ssh's command line). Exits on anything else."""
+    try:
+        first = channel.recv()
+    except (ProtocolError, ChannelClosed, OSError) as exc:
+        print(f"runner: no environment from the supervisor: {exc}", file=sys.stderr)
+        os._exit(EXIT_PROTOCOL)
+    if not isinstance(first, Environment):
+        print(f"runner: expected the environment first, got {type(first).__name__}",
+              file=sys.stderr)  # fmt: skip
+        os._exit(EXIT_PROTOCOL)
+    os.environ.update(first.env)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of ``python -m runner``."""
     args = parse_args(argv)
     set_parent_death_signal(args.parent_pid)
+    channel: BlockingChannel[RunnerCommand] = BlockingChannel(
+        args.read_fd, args.write_fd, Codec(RunnerCommand)
+    )
+    if args.env_first:
+        take_environment(channel)
     disable_core_dumps()
     configure_logging()
     structlog.contextvars.bind_contextvars(runner_pid=os.getpid())
@@ -418,9 +441,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the daemon, who decides
 
-    channel: BlockingChannel[RunnerCommand] = BlockingChannel(
-        args.read_fd, args.write_fd, Codec(RunnerCommand)
-    )
     if "exit_in_handshake" in faults:
         os._exit(1)
     try:
@@ -436,12 +456,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
         os._exit(1)
     started = time.perf_counter()
     import_cache.install()  # transformers' import table from disk: half the import
+    import mlx.core as mx
     import mlx_lm  # noqa: F401  (paid once here, before a LoadModel arrives)
 
+    mx.eval(mx.zeros((1,)))  # the device set up, as a model's first evaluation would
     import_s = time.perf_counter() - started
     log.info("runner_started", import_s=round(import_s, 3))
     machine = psutil.virtual_memory()
-    channel.send(Started(import_s, machine.total, machine.available))
+    runner.guard.refresh()
+    rss = psutil.Process().memory_info().rss
+    channel.send(Started(import_s, machine.total, machine.available, runner.guard.figures, rss))
 
     cause = "unknown"
     cause_class: CauseClass | None = None

@@ -1,6 +1,7 @@
 """The ``mlx-supervisor`` command line.
 
-Exit codes: 0 success, 1 the operation failed (with a one-line reason),
+Exit codes: 0 success, 1 the operation failed (with a one-line reason, the
+error's code first: ``error [unknown_model]: ...``),
 2 usage error, 3 no daemon reachable.
 """
 
@@ -42,6 +43,9 @@ def status_table(status: StatusReply) -> str:
     spare = status.spare
     if spare is not None and spare.state == "failed":
         lines.append(f"hot spare failed: {spare.failure}")
+    for stuck in sup.unkillable:
+        held = f", holding {format_bytes(stuck.rss_bytes)}" if stuck.rss_bytes else ""
+        lines.append(f"unkillable: pid {stuck.pid} (was {stuck.name}) outlived SIGKILL{held}")
     if not status.runners:
         lines.append("no models loaded")
         return "\n".join(lines)
@@ -576,10 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return CLIENT_COMMANDS[args.command](args, client)
     except DaemonUnreachable as exc:
-        print(f"error: {exc.message}; is `mlx-supervisor serve` running?", file=sys.stderr)
+        print(f"error [{exc.code}]: {exc.message}; is `mlx-supervisor serve` running?",
+              file=sys.stderr)  # fmt: skip
         return EXIT_UNREACHABLE
-    except ClientError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+    except ClientError as exc:  # the code first, for scripts: error [insufficient_memory]: ...
+        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

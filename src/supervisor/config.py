@@ -31,6 +31,12 @@ ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 Concurrency = Annotated[int, Meta(ge=1, le=256)]
 Ranks = Annotated[int, Meta(ge=1, le=16)]
 NonEmpty = Annotated[str, Meta(min_length=1)]
+# "*", a DNS name or IPv4 address (a final dot allowed), or an IPv6 address (brackets allowed).
+HostName = Annotated[
+    str,
+    Meta(max_length=255,
+         pattern=r"^(\*|[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?|\[?[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\]?)$"),
+]  # fmt: skip
 
 
 DEFAULT_HTTP_PORT = 11480
@@ -82,17 +88,19 @@ def is_loopback_host(host: str) -> bool:
 
 
 def exposure_problem(config: SupervisorConfig) -> str | None:
-    """Why ``config`` would let anyone who reaches the HTTP front load any
-    model on the machine, or None: ``load_on_demand = "any"`` needs an
-    ``api_key`` unless the front listens on loopback only."""
+    """Why ``config`` would let anyone who reaches the HTTP front use it, or
+    None: beyond loopback the front needs an ``api_key`` (whoever reaches it
+    could run generations and load models, any model path with
+    ``load_on_demand = "any"``)."""
     listen = parse_listen(config.http_listen)
-    if config.load_on_demand != "any" or config.api_key is not None or listen is None:
+    if config.api_key is not None or listen is None or is_loopback_host(listen[0]):
         return None
-    if is_loopback_host(listen[0]):
-        return None
+    reach = "load any model path on this machine" if config.load_on_demand == "any" else (
+        "run generations and load models"
+    )  # fmt: skip
     return (
-        f'load_on_demand = "any" lets anyone who reaches {config.http_listen} load any '
-        "model path on this machine: set api_key, or listen on loopback only"
+        f"anyone who reaches {config.http_listen} could {reach}: set api_key, "
+        "or listen on loopback only"
     )
 
 
@@ -130,6 +138,9 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # unload and shutdown escalation
     shutdown_grace_s: GraceSeconds = 5.0
     term_grace_s: GraceSeconds = 3.0
+    # SIGKILL not done after this long: the process sleeps uninterruptibly (a
+    # hung disk, a wedged driver); it is reported unkillable and nothing waits on it
+    sigkill_wait_s: Seconds = 10.0
     handshake_timeout_s: Seconds = 30.0
     max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES
     runner_stderr_lines: Count = 20
@@ -151,6 +162,8 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         default_factory=lambda: ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10"]
     )
     distributed_port_base: Annotated[int, Meta(ge=1024, le=65000)] = 32323
+    # A step the runner announces as long (a prefill chunk, a slow decode step)
+    # gets STALL_STEP_MULTIPLE times its stated time when that is longer.
     prefill_stall_s: Seconds = 120.0
     decode_stall_s: Seconds = 30.0
     ping_timeout_s: Annotated[float, Meta(ge=0.2, le=86_400)] = 10.0
@@ -168,12 +181,16 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # Web pages (origins) whose scripts may call the HTTP front, as Ollama's OLLAMA_ORIGINS:
     # none by default; ["http://localhost:3000"] for a chat UI served there, ["*"] for any.
     http_cors_origins: list[Annotated[str, Meta(min_length=1, max_length=2048)]] = []
+    # Host names (or addresses) the Host header may name besides loopback and the listen
+    # address, without a port: a page whose name was rebound to us names its own (DNS
+    # rebinding). ["mybox.lan"] to serve a LAN name; ["*"]: any (the check is off).
+    http_allowed_hosts: list[HostName] = []
     # memory safety (README: "Memory"); sizes in bytes
     memory_poll_s: Annotated[float, Meta(ge=0.05, le=3_600)] = 1.0
     memory_override_mb: Annotated[int, Meta(ge=64, le=1 << 30)] | None = None
     pressure_threshold_pct: Percent | None = None  # default by machine size: 70-85%
     memory_guard_bytes: Bytes | None = None  # free memory the guards keep; default max(10%, 5 GiB)
-    memory_headroom_bytes: Bytes | None = None  # added to an estimate; default max(5%, 256 MiB)
+    memory_headroom_bytes: Bytes | None = None  # added to an estimate; default 10% of the model
     memory_gate_timeout_s: GraceSeconds = 10.0  # wait this long for a dead runner's memory
     max_loaded_models: Count = 0  # 0: no cap; else evict the least recently used idle model
     keep_alive_s: KeepAliveSeconds = 0.0  # idle models unloaded after this long (0: never)
@@ -192,6 +209,10 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # chat's next request (the answer as the history will hold it, and the
     # template's next user header) into the prefix cache.
     next_turn_prefill: bool = True
+    # Prompts are prefilled in steps of about this long at the rate measured
+    # on the model (at most mlx-lm's 2,048 tokens): progress, cancels and
+    # other requests' tokens come between steps, and no GPU command stream runs long.
+    prefill_chunk_s: Annotated[float, Meta(ge=0.05, le=60)] = 1.0
     # process management
     hot_spare: bool = True
     restore_on_start: bool = True

@@ -23,6 +23,7 @@ from anyio.abc import ByteStream, SocketAttribute, SocketListener
 
 from ipc import AsyncChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
+    FAULTS_ENV,
     PROTOCOL_VERSION,
     CacheClearRequest,
     CancelRequest,
@@ -105,6 +106,7 @@ class Connection:
         self.channel = channel
         self.write_timeout_s = write_timeout_s
         self.gone = False
+        self.peer_uid: int | None = None  # as the kernel says, once checked
 
     async def send(self, message: msgspec.Struct, body: bytes | None = None) -> None:
         """Write one frame within the deadline; ``body``, when given, is
@@ -219,7 +221,7 @@ class ControlServer:
         conn = Connection(channel, self.config.client_write_timeout_s)
         stream = channel.stream
         try:
-            refusal = self._refusal(stream)
+            refusal = self._refusal(stream, conn)
             if refusal is not None:
                 await self._refuse(conn, *refusal)
                 return
@@ -245,14 +247,15 @@ class ControlServer:
             log.exception("request_handler_failed")
             await conn.send_error("internal", f"internal error: {exc!r}")
 
-    def _refusal(self, stream: ByteStream) -> tuple[ErrorCode, str] | None:
+    def _refusal(self, stream: ByteStream, conn: Connection) -> tuple[ErrorCode, str] | None:
         """Why this connection is not served (a foreign uid, too many
-        connections), or None."""
+        connections), or None; notes the peer's uid on ``conn``."""
         try:
             peer = peer_credentials(stream.extra(SocketAttribute.raw_socket))
         except (OSError, anyio.TypedAttributeLookupError) as exc:
             log.warning("client_refused", reason=f"peer credentials unknown: {exc}")
             return "forbidden", "the daemon cannot tell who you are"
+        conn.peer_uid = peer.uid
         if peer.uid not in self.allowed_uids:
             log.warning("client_refused", reason="uid not allowed",
                         peer_uid=peer.uid, peer_pid=peer.pid)  # fmt: skip
@@ -307,6 +310,7 @@ class ControlServer:
                 uptime_s=time.monotonic() - self.started,
                 socket=str(self.socket_path),
                 http=self.http_url(),
+                unkillable=self.registry.unkillable(),
             ),
             system=self.registry.system_info(),
             runners=self.registry.status(),
@@ -315,6 +319,10 @@ class ControlServer:
         )
 
     async def _load(self, conn: Connection, request: LoadRequest) -> None:
+        if FAULTS_ENV in request.env and conn.peer_uid != os.geteuid():
+            # Faults crash, hang, hog memory and write files as the daemon's user.
+            raise RequestError("forbidden", f"{FAULTS_ENV} (fault injection) is for the "
+                               "daemon's own user only")  # fmt: skip
         spec = self.registry.spec_for(request)
         log.info("load_requested", model=spec.name, source=spec.model)
         progress: Mailbox[LoadProgress] = Mailbox()

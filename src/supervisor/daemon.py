@@ -16,6 +16,7 @@ import structlog
 from anyio.abc import SocketListener, SocketStream, TaskGroup, TaskStatus
 
 from supervisor import __version__
+from supervisor.boundary import retry_delay_s
 from supervisor.config import ModelConfig, SupervisorConfig, parse_listen
 from supervisor.control import ControlServer, claim_socket
 from supervisor.http_api import HttpFront
@@ -187,23 +188,35 @@ ACCEPT_RETRY_S = 0.1  # no event says an fd was freed: retry after a pause, as s
 async def serve_connections(
     listener: SocketListener, handler: Callable[[SocketStream], Coroutine[Any, Any, None]]
 ) -> None:
-    """Accept connections forever, each served by ``handler`` in its own task.
+    """Accept connections until the listener is closed, each served by
+    ``handler`` in its own task.
 
-    Unlike ``listener.serve``, running out of fds (EMFILE, ENFILE) or a
-    connection aborted before it was accepted ends nothing: it is logged and
-    accepting goes on once connections close.
+    Unlike ``listener.serve``, no accept error ends it: running out of fds
+    (EMFILE, ENFILE) or a connection aborted before it was accepted is
+    logged and accepting goes on after a pause; an error it does not know is
+    logged with its traceback and retried with a pause that grows (a fault
+    boundary: the connections being served go on meanwhile).
     """
+    failures = 0
     async with anyio.create_task_group() as tg:
         while True:
             try:
                 stream = await listener.accept()
-            except (OSError, anyio.BrokenResourceError) as exc:
-                cause = exc if isinstance(exc, OSError) else exc.__cause__  # anyio wraps it
-                if not isinstance(cause, OSError) or cause.errno not in ACCEPT_ERRORS:
-                    raise
-                log.error("accept_failed", error=str(cause), retry_in_s=ACCEPT_RETRY_S)
-                await anyio.sleep(ACCEPT_RETRY_S)
+            except anyio.ClosedResourceError:
+                return  # the daemon closed it: it is stopping
+            except Exception as exc:
+                cause = exc.__cause__ if isinstance(exc, anyio.BrokenResourceError) else exc
+                if isinstance(cause, OSError) and cause.errno in ACCEPT_ERRORS:
+                    log.error("accept_failed", error=str(cause), retry_in_s=ACCEPT_RETRY_S)
+                    await anyio.sleep(ACCEPT_RETRY_S)
+                    continue
+                failures += 1
+                delay_s = retry_delay_s(failures)
+                log.exception("accept_failed_unexpectedly", failures=failures,
+                              retry_in_s=delay_s)  # fmt: skip
+                await anyio.sleep(delay_s)
                 continue
+            failures = 0
             tg.start_soon(handler, stream)
 
 

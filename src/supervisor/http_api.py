@@ -14,7 +14,9 @@ daemon owns SIGTERM and SIGINT), the daemon binds the listening socket
 itself (a port in use is logged, never a ``sys.exit``), and a connection
 must send each request head within ``client_idle_timeout_s`` (idle
 connections would otherwise hold ``max_connections`` and shut everyone
-out).
+out). Before any route, :class:`~supervisor.http_guard.HttpGuard` refuses
+what a web page must not do (a foreign Host or Origin, a body that is not
+JSON).
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import contextlib
 import functools
 import hmac
 import logging
-import math
-import re
 import secrets
 import socket
 import sys
@@ -35,7 +35,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
 import anyio
-import anyio.lowlevel
 import msgspec
 import structlog
 import uvicorn
@@ -44,7 +43,6 @@ from msgspec import Meta
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -53,7 +51,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.messages import (
     ChatMessage,
-    ErrorCode,
     GenerateRequest,
     GenerationDone,
     LoadProgress,
@@ -64,6 +61,8 @@ from ipc.messages import (
 from supervisor import __version__
 from supervisor.config import SupervisorConfig
 from supervisor.control import ClientGone, Mailbox
+from supervisor.http_errors import ApiError, internal_error, validation_error
+from supervisor.http_guard import HttpGuard
 from supervisor.registry import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -77,30 +76,8 @@ log = structlog.get_logger("supervisor.http")
 
 T = TypeVar("T")
 STOP_GRACE_S = 2  # open connections get this long to finish when the daemon exits
-RETRY_AFTER_BUSY_S = 1
-# Event-loop turns a stopped model's unload gets to forget it (it needs one).
-FORGET_TURNS = 100
 OWNER = "mlx-supervisor"
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
-
-# --- errors --------------------------------------------------------------------
-
-# Every registry error code, as an HTTP status and an OpenAI error type.
-ERROR_STATUS: dict[ErrorCode, tuple[int, str]] = {
-    "bad_request": (400, "invalid_request_error"),
-    "protocol": (400, "invalid_request_error"),
-    "forbidden": (403, "permission_error"),
-    "unknown_model": (404, "not_found_error"),
-    "already_loaded": (409, "invalid_request_error"),  # a reference's name is taken
-    "busy": (429, "rate_limit_error"),
-    "internal": (500, "server_error"),
-    "runner_died": (500, "server_error"),  # the message names the signal or cause
-    "generation_failed": (500, "server_error"),
-    "load_failed": (503, "server_error"),
-    "not_ready": (503, "server_error"),  # restarting, failed, stopping, timed out in line
-    "shutting_down": (503, "server_error"),
-    "insufficient_memory": (507, "server_error"),
-}
 
 # Our finish reasons as OpenAI's (ours is also sent, in the "supervisor" field).
 FINISH_REASONS = {
@@ -110,64 +87,6 @@ FINISH_REASONS = {
     "cancelled": "stop",
     "error": "stop",
 }
-
-
-class ApiError(Exception):
-    """An HTTP request fails with ``status`` and an OpenAI error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    @classmethod
-    def from_request_error(cls, exc: RequestError, retry_after_s: float | None = None) -> ApiError:
-        """The HTTP form of a registry error (see ERROR_STATUS)."""
-        status, kind = ERROR_STATUS.get(exc.code, (500, "server_error"))
-        if exc.code == "busy" and retry_after_s is None:
-            retry_after_s = RETRY_AFTER_BUSY_S
-        headers = {}
-        if retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-        return cls(status, exc.message, type=kind, code=exc.code, headers=headers)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> Response:
-        return Response(
-            ENCODER.encode(self.body()), self.status, self.headers, media_type="application/json"
-        )
-
-
-def validation_error(exc: msgspec.MsgspecError) -> ApiError:
-    """A 400 for a body msgspec refused, naming the field when it can."""
-    text = str(exc)
-    if isinstance(exc, msgspec.ValidationError):
-        found = re.search(r"at `\$\.([A-Za-z_]+)", text) or re.search(r"field `(\w+)`", text)
-        param = found.group(1) if found else None
-        return ApiError(400, f"invalid request: {text}", code="bad_request", param=param)
-    return ApiError(400, f"invalid JSON: {text}", code="bad_request")
 
 
 # --- request bodies --------------------------------------------------------------
@@ -474,16 +393,10 @@ class HttpFront:
             Route("/metrics", guard(self.prometheus, auth=True), methods=["GET"]),
         ]
         starlette = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
-        app: ASGIApp = starlette
-        if config.http_cors_origins:  # a chat UI in a browser calls the API from its page
-            app = CORSMiddleware(
-                app,
-                allow_origins=config.http_cors_origins,
-                allow_methods=["GET", "POST", "OPTIONS"],
-                allow_headers=["Authorization", "Content-Type"],
-                max_age=600,
-            )
-        self.app: ASGIApp = self._observed(app)
+        # Before any routing: what a web page may not do (Host, Origin, JSON bodies), and CORS.
+        self._guard = HttpGuard(starlette, allowed_hosts=config.http_allowed_hosts,
+                                cors_origins=config.http_cors_origins)  # fmt: skip
+        self.app: ASGIApp = self._observed(self._guard)
 
     # --- serving -------------------------------------------------------------
 
@@ -508,6 +421,7 @@ class HttpFront:
             self._server = DaemonUvicorn(config)
             forward_uvicorn_logs()
             self.url = base_url(sock)
+            self._guard.hosts.listen_on(host, sock.getsockname()[0])
             if self.config.api_key is None and not is_loopback(sock):
                 log.warning("http_open_without_api_key", url=self.url)
             log.info("http_listening", url=self.url)
@@ -779,8 +693,8 @@ class HttpFront:
                 if entry.state != "stopping":
                     break
                 with anyio.move_on_after(deadline - anyio.current_time()):
-                    if await self._forgotten(entry):
-                        continue  # stopped and gone: find or load it again
+                    await entry.forgotten.wait()
+                    continue  # stopped and gone: find or load it again
                 break  # still stopping: check_available says so
             found.append(entry)
 
@@ -791,19 +705,6 @@ class HttpFront:
         entry = found[0]
         check_available(entry)
         return entry
-
-    async def _forgotten(self, entry: ModelEntry) -> bool:
-        """Wait for a stopping model's supervision to end; then True once the
-        registry has forgotten the entry. The unload that stops it forgets it
-        as soon as it sees the stop, so a few turns of the event loop are
-        enough; False if it is still there after those (the unload did not
-        finish: the entry stays, stopping, and a new load cannot be had)."""
-        await entry.stopped.wait()
-        for _ in range(FORGET_TURNS):
-            if self.registry.entries.get(entry.name) is not entry:
-                return True
-            await anyio.lowlevel.checkpoint()
-        return self.registry.entries.get(entry.name) is not entry
 
     async def _generate(
         self, call: CompletionCall, entry: ModelEntry, writer: ResponseWriter, cancel: anyio.Event
@@ -906,10 +807,6 @@ async def watch_disconnect(receive: Receive, cancel: anyio.Event, writer: Respon
             writer.gone = True
             cancel.set()
             return
-
-
-def internal_error(exc: Exception) -> ApiError:
-    return ApiError(500, f"internal error: {exc!r}", type="server_error", code="internal")
 
 
 # --- the server ----------------------------------------------------------------

@@ -28,7 +28,6 @@ from anyio.abc import TaskGroup, TaskStatus
 from ipc import ChannelClosed
 from ipc.messages import (
     FAULTS_ENV,
-    GROUP_STEP_FAILED,
     MEMORY_CAUSES,
     CacheCleared,
     ClearCache,
@@ -50,12 +49,14 @@ from ipc.messages import (
     RunnerState,
     SystemInfo,
     TextChunk,
+    UnkillableRunner,
     Unloaded,
 )
 from ipc.messages import Cancel as CancelCommand
+from supervisor.boundary import contained, keep_running
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.memory.admission import Admission, AdmissionRefused
-from supervisor.memory.classify import classify_exit
+from supervisor.memory.classify import classify_exit, ended_by_failed_step
 from supervisor.memory.estimate import Estimate, estimate_reference
 from supervisor.memory.monitor import MemoryMonitor, override_mb
 from supervisor.metrics import Metrics
@@ -65,7 +66,7 @@ from supervisor.runner_handle import RequestEvent, RunnerGone, RunnerHandle, Run
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
 from supervisor.spare import HotSpare, spare_fits
 from supervisor.system import process_rss
-from supervisor.waiting import wait_unless
+from supervisor.waiting import first_of, wait_unless
 
 log = structlog.get_logger("supervisor.registry")
 
@@ -150,6 +151,7 @@ class ModelEntry:
     loaded: anyio.Event = field(default_factory=anyio.Event)  # first load decided
     stop_requested: anyio.Event = field(default_factory=anyio.Event)
     stopped: anyio.Event = field(default_factory=anyio.Event)  # supervising task ended
+    forgotten: anyio.Event = field(default_factory=anyio.Event)  # dropped from the registry
     state_changed: anyio.Event = field(default_factory=anyio.Event)
     load_result: Loaded | None = None
     load_error: str | None = None
@@ -349,8 +351,10 @@ class Registry:
         monitor and keep-alive expiry."""
         if self.config.hot_spare:
             self.task_group.start_soon(self.spare.keep, name="hot spare")
-        self.task_group.start_soon(self.monitor.run, name="memory monitor")
-        self.task_group.start_soon(self._expire_idle, name="keep-alive expiry")
+        tg = self.task_group
+        tg.start_soon(keep_running, "memory monitor", self.monitor.run, name="memory monitor")
+        tg.start_soon(keep_running, "keep-alive expiry", self._expire_idle,
+                      name="keep-alive expiry")  # fmt: skip
 
     def runners_footprint(self) -> int:
         """What our runner processes (the spare too) hold now, in bytes."""
@@ -374,6 +378,14 @@ class Registry:
 
     def status(self) -> list[RunnerInfo]:
         return [entry.info() for entry in list(self.entries.values())]
+
+    def unkillable(self) -> list[UnkillableRunner]:
+        """Runner processes SIGKILL has not ended yet (see RunnerHandle.escalate)."""
+        return [
+            UnkillableRunner(handle.spec.name, handle.pid, handle.rss_bytes)
+            for handle in list(self.live_handles)
+            if handle.unkillable and handle.pid is not None
+        ]
 
     def system_info(self) -> SystemInfo:
         """The machine's memory as the monitor saw it last (override applied)."""
@@ -418,6 +430,9 @@ class Registry:
                 self.on_change()
                 try:
                     await handle.exited.wait()
+                    if handle.unkillable:
+                        self.counters["unkillable"] += 1
+                    await handle.reaped.wait()  # counted as holding memory until it is gone
                 finally:
                     self.live_handles.discard(handle)
                     self.admission.note_departure(
@@ -628,6 +643,7 @@ class Registry:
         if entry.load_result is None:
             if self.entries.get(entry.name) is entry and not entry.keep_if_first_load_fails:
                 del self.entries[entry.name]
+                entry.forgotten.set()
                 self.on_change()
             message = entry.load_error or entry.failure or "load failed"
             raise RequestError(entry.load_error_code, message)
@@ -722,38 +738,40 @@ class Registry:
             entry.move("starting")
 
     async def _admit(self, entry: ModelEntry, reason: str, floor_bytes: int) -> None:
-        """Admission for the entry's next runner (estimating the model until an
-        estimate is found: a hub model is on disk only once a runner fetched it).
-        On success ``entry.plan`` is set and ``entry.admitted`` true.
+        """Admission for the entry's next runner. The model is estimated afresh each
+        time (a hub model is on disk only once a runner fetched it), with the runtime
+        this daemon measured: its warm spare, else a runner at its start (see
+        :meth:`_measure_runtime`). On success ``entry.plan`` is set and
+        ``entry.admitted`` true.
 
         Raises:
             AdmissionRefused: it does not fit, even after evicting idle models.
         """
-        if entry.estimate is None:
+        estimate = None
+        try:
+            estimate = await anyio.to_thread.run_sync(
+                estimate_reference, entry.spec.model, entry.spec.context_tokens
+            )
+        except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
+            entry.log.warning("estimate_failed", error=str(exc))
+        baseline = self.admission.baseline
+        baseline.observe(self.spare.warm_footprint_bytes(), "spare")
+        if estimate is not None:
+            estimate = baseline.apply(estimate)
             try:
-                entry.estimate = await anyio.to_thread.run_sync(
-                    estimate_reference, entry.spec.model, entry.spec.context_tokens
-                )
-            except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
-                entry.log.warning("estimate_failed", error=str(exc))
-            if entry.estimate is not None:
-                try:
-                    places = group_places(entry.spec)
-                except ValueError:  # the runner's start says so
-                    places = [Place(None, "")]
-                here = sum(place.host is None for place in places)
-                if len(places) > 1:
-                    one = group_estimate(entry.estimate, len(places), local=1)
-                    entry.rank_need_bytes = one.total_bytes
-                entry.estimate = group_estimate(entry.estimate, len(places), here)
-                entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
+                places = group_places(entry.spec)
+            except ValueError:  # the runner's start says so
+                places = [Place(None, "")]
+            here = sum(place.host is None for place in places)
+            if len(places) > 1:
+                one = group_estimate(estimate, len(places), local=1)
+                entry.rank_need_bytes = one.total_bytes
+            entry.estimate = group_estimate(estimate, len(places), here)
+            entry.log.info("model_estimate", **msgspec.structs.asdict(entry.estimate))
 
         def spare_bytes() -> int:
-            spare = self.spare.current
-            if spare is None or not spare.alive or not spare.warm.is_set():
-                return 0
             takes_spare = spare_fits(entry.spec) and not is_group(entry.spec)
-            return (spare.measure_rss() or 0) if takes_spare else 0
+            return self.spare.warm_footprint_bytes() if takes_spare else 0
 
         def grant(plan: MemoryPlan) -> None:  # under the admission lock
             entry.plan = plan
@@ -769,6 +787,22 @@ class Registry:
             spare_bytes=spare_bytes,
             floor_bytes=floor_bytes,
         )
+        if not baseline.measured and not is_group(entry.spec):
+            self.task_group.start_soon(contained, f"measure runtime {entry.name}",
+                                       self._measure_runtime, entry)  # fmt: skip
+
+    async def _measure_runtime(self, entry: ModelEntry) -> None:
+        """Until a spare has been measured: the footprint of the entry's admitted runner
+        as soon as it has imported mlx, before its weights, is the runtime every later
+        estimate plans."""
+        while entry.state == "starting":  # admitted: its runner is on its way
+            await entry.state_changed.wait()
+        handle = entry.handle
+        if entry.state != "loading" or not isinstance(handle, RunnerHandle):
+            return  # it failed to start, or was unloaded meanwhile
+        await first_of(handle.warm, handle.exited)
+        if handle.host is None:  # as it started, before its weights
+            self.admission.baseline.observe(handle.runtime_bytes, "runner")
 
     def _refuse(self, entry: ModelEntry, message: str) -> None:
         """Admission refused the entry's runner: a first load fails with
@@ -802,7 +836,8 @@ class Registry:
                 if deadline is None:
                     continue
                 if deadline <= now:
-                    self.task_group.start_soon(self._expire, entry, name=f"expire {entry.name}")
+                    self.task_group.start_soon(contained, f"expire {entry.name}", self._expire,
+                                               entry, name=f"expire {entry.name}")  # fmt: skip
                 else:
                     next_deadline = min(next_deadline, deadline)
             with anyio.move_on_after(max(next_deadline - time.monotonic(), 0.0)):
@@ -897,6 +932,7 @@ class Registry:
             batch_wait_share=config.batch_wait_share,
             next_turn_prefill=spec.next_turn_prefill if spec.next_turn_prefill is not None
             else config.next_turn_prefill,
+            prefill_chunk_s=config.prefill_chunk_s,
         )  # fmt: skip
 
     async def clear_cache(self, name: str) -> CacheCleared:
@@ -1009,7 +1045,7 @@ class Registry:
                     and not cancel.is_set()
                     # A group's step that raised ended the group: the same
                     # request would end it again (and spend its restarts).
-                    and GROUP_STEP_FAILED not in gone.exit.cause
+                    and not ended_by_failed_step(gone.exit)
                 )
                 if not can_retry:
                     self.counters["requests_failed_runner_died"] += 1
@@ -1203,7 +1239,9 @@ class Registry:
     async def unload(self, name: str, reason: str = "unload") -> Unloaded:
         """Stop the named model's runner (escalating) and forget the model.
 
-        Works in every state: a restart waiting in backoff is called off.
+        Works in every state: a restart waiting in backoff is called off. Once
+        begun it is not cut short (every step of the ladder is bounded), and
+        the model is forgotten however it ends.
 
         Raises:
             RequestError: no such model.
@@ -1214,14 +1252,18 @@ class Registry:
         entry.move("stopping")
         handle = entry.handle
         steps: list[str] = []
-        if handle is not None and handle.alive:
-            with contextlib.suppress(Exception):  # a fresh "before" for the memory gate's log
-                await self.monitor.sample_async()
-            steps = await handle.escalate(reason)
-        await entry.stopped.wait()
-        if self.entries.get(name) is entry:
-            del self.entries[name]
-        self.on_change()
+        try:
+            with anyio.CancelScope(shield=True):
+                if handle is not None and handle.alive:
+                    with contextlib.suppress(Exception):  # a fresh "before" for the gate's log
+                        await self.monitor.sample_async()
+                    steps = await handle.escalate(reason)
+                await entry.stopped.wait()
+        finally:
+            if self.entries.get(name) is entry:
+                del self.entries[name]
+                entry.forgotten.set()
+            self.on_change()
         last_exit = entry.last_exit or ExitInfo(code=None, signal=None, cause="never started")
         pid = handle.pid if handle is not None and handle.pid is not None else 0
         elapsed_s = time.perf_counter() - started

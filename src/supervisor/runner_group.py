@@ -174,13 +174,18 @@ def group_estimate(estimate: Estimate, ranks: int, local: int | None = None) -> 
     hold on this machine, for a model the estimate is for: the weights and
     the KV cache are split between the ranks; each has its own activations
     and runtime overhead. One rank holds about
-    ``(weights + kv) / ranks + activation + overhead``."""
+    ``(weights + kv) / ranks + activation + overhead``. The headroom stays
+    the same share of all but the runtime."""
     local = ranks if local is None else local
     if ranks <= 1:
         return estimate
     split = estimate.weights_bytes + estimate.kv_cache_bytes + estimate.vision_bytes
     activation = estimate.activation_bytes * local
     overhead = estimate.overhead_bytes * local
+    runtime = estimate.runtime_bytes * local
+    total = split * local // ranks + activation + overhead
+    model_before = estimate.total_bytes - estimate.runtime_bytes
+    headroom = estimate.headroom_bytes * (total - runtime) // model_before if model_before else 0
     return msgspec.structs.replace(
         estimate,
         weights_bytes=estimate.weights_bytes * local // ranks,
@@ -188,7 +193,9 @@ def group_estimate(estimate: Estimate, ranks: int, local: int | None = None) -> 
         vision_bytes=estimate.vision_bytes * local // ranks,
         activation_bytes=activation,
         overhead_bytes=overhead,
-        total_bytes=split * local // ranks + activation + overhead,
+        total_bytes=total,
+        runtime_bytes=runtime,
+        headroom_bytes=headroom,
     )
 
 

@@ -30,6 +30,7 @@ from ipc.messages import (
     CacheCleared,
     EngineReport,
     EngineStats,
+    Environment,
     ExitAudit,
     ExitInfo,
     GenerationDone,
@@ -50,7 +51,7 @@ from ipc.messages import (
 from supervisor import __version__
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.state import process_create_time
-from supervisor.system import process_rss
+from supervisor.system import process_rss, process_state
 
 if TYPE_CHECKING:
     from supervisor.runner_group import RunnerGroup
@@ -60,6 +61,12 @@ _LEVELS = {"debug", "info", "warning", "error", "critical"}
 _RESERVED_KEYS = {"source", "event", "level", "timestamp", "model", "runner_pid", "exc_info",
                   "stack_info", "self"}  # fmt: skip
 MAX_LOG_LINE_BYTES = 64 * 1024
+STALL_STEP_MULTIPLE = 3
+"""A step the runner said would take S seconds is a stall only after this
+many times S without progress (when that is longer than the phase's limit)..."""
+STALL_STEP_CAP = 10
+"""...but never after more than this many times the phase's limit: a runner
+that states nonsense cannot turn the watchdog off."""
 MAX_TAIL_LINE_CHARS = 500
 
 
@@ -250,7 +257,9 @@ class RunnerHandle:
         self.channel: AsyncChannel[RunnerEvent] | None = None
         self.started_at: float | None = None
         self.started_monotonic = math.inf  # when spawned (time.monotonic())
-        self.exited = anyio.Event()
+        self.exited = anyio.Event()  # it ended, or SIGKILL could not end it (unkillable)
+        self.reaped = anyio.Event()  # the process is gone: its memory is back
+        self.unkillable = False  # SIGKILL did not end it in sigkill_wait_s
         self.exit_info: ExitInfo | None = None
         self.audit: ExitAudit | None = None
         self.stop_requested = False
@@ -265,6 +274,8 @@ class RunnerHandle:
         self.progress = 0
         self.last_progress_at = time.monotonic()
         self.last_alive_at = time.monotonic()  # any frame from the runner, pongs included
+        # The runner's own estimate of its step under way, and the phase it was for.
+        self.step: tuple[str, float] | None = None
         self.ping_unanswered_since: float | None = None  # the oldest ping with no frame after it
         self._event_fd: int | None = None
         self._phase_changed = anyio.Event()
@@ -273,6 +284,7 @@ class RunnerHandle:
         # Memory as last reported (pongs, heartbeats, load progress) and measured.
         self.memory = MemoryFigures()
         self.rss_bytes: int | None = None
+        self.runtime_bytes = 0  # its footprint when it had imported mlx, before any model
         self._events_in, self._events_out = anyio.create_memory_object_stream[RunnerEvent](
             max_buffer_size=math.inf
         )
@@ -362,11 +374,16 @@ class RunnerHandle:
         task_group.start_soon(self._watch_exit)  # never raises: it must always report the exit
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
+                if remote:  # its environment first, never on ssh's command line
+                    await self.channel.send(Environment(dict(self.spec.env)))
                 hello = await self.channel.handshake("supervisor", "runner", __version__)
         except (ProtocolError, ChannelClosed, TimeoutError) as exc:
             self.signal(signal.SIGKILL)
             with anyio.CancelScope(shield=True):
-                await self.exited.wait()
+                with anyio.move_on_after(self.config.sigkill_wait_s):
+                    await self.exited.wait()
+                if not self.exited.is_set():
+                    self._give_up(self.config.sigkill_wait_s)
                 await self.channel.aclose()
             self._events_in.close()
             reason = str(exc) or type(exc).__name__
@@ -399,13 +416,13 @@ class RunnerHandle:
         """``ssh HOST COMMAND`` for a rank on another machine, as ``mlx.launch``
         runs one: the same python and working directory as here (install
         mlx-supervisor alike on every machine). Frames travel on the session's
-        stdin and stdout (the runner's fd 3); its own stdout goes to stderr."""
+        stdin and stdout (the runner's fd 3); its own stdout goes to stderr.
+        The model's environment goes as the first frame, not in this command
+        line, which every user of either machine can read."""
         assert self.host is not None
-        env = {**self.spec.env, "PYTHONUNBUFFERED": "1"}
         runner = [
-            "env", *(f"{k}={v}" for k, v in sorted(env.items())),
-            sys.executable, "-m", "runner",
-            "--read-fd", "0", "--write-fd", "3", "--parent-pid", "0",
+            "env", "PYTHONUNBUFFERED=1", sys.executable, "-m", "runner",
+            "--read-fd", "0", "--write-fd", "3", "--parent-pid", "0", "--env-first",
         ]  # fmt: skip
         command = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(runner)} 3>&1 1>&2"
         return [*self.config.ssh_command, "--", self.host, command]
@@ -427,11 +444,19 @@ class RunnerHandle:
             if self.process.returncode is None:  # we are being cancelled: never leave it
                 with anyio.CancelScope(shield=True):
                     self.signal(signal.SIGKILL)
-                    await self.process.wait()
+                    with anyio.move_on_after(self.config.sigkill_wait_s):
+                        await self.process.wait()
+                if self.process.returncode is None:  # the daemon is stopping: init reaps it
+                    self.log.error("runner_left_unkillable", pid=self.process.pid,
+                                   waited_s=self.config.sigkill_wait_s)  # fmt: skip
             for stream in (self.process.stdout, self.process.stderr):
                 if stream is not None:  # the relays stop at EOF; their fds close here
                     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                         await stream.aclose()
+            if self.process.returncode is not None:
+                self.reaped.set()
+        if self.unkillable:
+            self.log.warning("unkillable_runner_reaped", code=returncode)
         self.mark_exited(returncode)
 
     def mark_exited(self, returncode: int | None, cause: str | None = None) -> None:
@@ -444,10 +469,12 @@ class RunnerHandle:
             return
         try:
             if returncode is None:
-                raise ValueError(cause or "runner task ended")
-            self.exit_info = describe_exit(
-                returncode, self.audit, list(self.stderr_tail), self.kill_cause
-            )
+                self.exit_info = ExitInfo(None, None, cause or "runner task ended", None,
+                                          list(self.stderr_tail), audit=self.audit)  # fmt: skip
+            else:
+                self.exit_info = describe_exit(
+                    returncode, self.audit, list(self.stderr_tail), self.kill_cause
+                )
         except Exception:  # describing an exit must never stop us reporting it
             self.log.exception("describe_exit_failed", returncode=returncode)
             self.exit_info = ExitInfo(returncode, None, cause or f"exit status {returncode}")
@@ -507,15 +534,20 @@ class RunnerHandle:
                     for waiter in [w for w in self._waiters if isinstance(event, w.kind)]:
                         self._waiters.remove(waiter)
                         waiter.deliver(event)
-                elif not isinstance(event, Pong | Heartbeat):
+                elif not isinstance(event, Pong | Heartbeat) and not self.unkillable:
                     self._events_in.send_nowait(event)
             await self.exited.wait()  # so RunnerGone can carry the exit status
         finally:
-            self._events_in.close()
-            for stream in self._requests.values():
-                stream.end()
+            self._end_delivery()
             with anyio.CancelScope(shield=True):
                 await self.channel.aclose()
+
+    def _end_delivery(self) -> None:
+        """No more events or request frames: whoever waits on them hears the
+        exit (RunnerGone) instead."""
+        self._events_in.close()
+        for stream in self._requests.values():
+            stream.end()
 
     async def _relay_output(self, stream: ByteReceiveStream, source: str) -> None:
         """Re-log the runner's stdout/stderr lines with its model name and pid.
@@ -569,6 +601,10 @@ class RunnerHandle:
             if event.engine is not None:
                 self.engine_stats = event.engine
             self.measure_rss()
+        elif isinstance(event, Started):  # the runtime before any model, as the runner read it
+            self.memory = event.memory
+            self.rss_bytes = event.rss_bytes or self.measure_rss()
+            self.runtime_bytes = self.footprint_bytes
         elif isinstance(event, Heartbeat) and event.memory is not None:
             self.memory = event.memory
         elif isinstance(event, LoadProgress):
@@ -637,7 +673,10 @@ class RunnerHandle:
             # Joining a distributed group holds the runner's GIL: no pings
             # are answered until it is done, and the join has its own limit.
             self._set_phase("joining" if event.done < event.total else "loading")
-        elif isinstance(event, LoadProgress | Heartbeat):
+        elif isinstance(event, Heartbeat):
+            self.step = None if event.step_s is None else (event.phase, event.step_s)
+            self._note_progress()
+        elif isinstance(event, LoadProgress):
             self._note_progress()
 
     def _request_phase(self) -> str:
@@ -677,9 +716,10 @@ class RunnerHandle:
 
     def stall_timeout_s(self) -> float:
         """How long the current phase may go without progress (idle: forever;
-        liveness is the pings' job)."""
+        liveness is the pings' job): the phase's limit, or a multiple of the
+        time the runner said its step would take, the longer."""
         config = self.config
-        return {
+        limit = {
             "starting": config.load_stall_s,
             "loading": config.load_stall_s,
             "joining": config.group_join_s,
@@ -687,6 +727,10 @@ class RunnerHandle:
             "prefill": config.prefill_stall_s,
             "decode": config.decode_stall_s,
         }[self.phase]
+        if self.step is not None and self.step[0] == self.phase:  # a prefill's, or a decode's
+            stated = min(STALL_STEP_MULTIPLE * self.step[1], STALL_STEP_CAP * limit)
+            return max(limit, stated)
+        return limit
 
     async def _watch_stalls(self) -> None:
         """Kill the runner when its phase goes without progress for too long.
@@ -770,7 +814,8 @@ class RunnerHandle:
     async def kill_stalled(self, reason: str) -> None:
         """Kill a hung runner from the outside: SIGTERM, a short grace, SIGKILL.
 
-        A hung ``mx.eval`` cannot be interrupted from inside; SIGKILL always works.
+        A hung ``mx.eval`` cannot be interrupted from inside; SIGKILL can, but
+        for a process in uninterruptible sleep (see :meth:`_give_up`).
         """
         self.kill_cause = reason
         self.log.error(
@@ -841,9 +886,10 @@ class RunnerHandle:
 
         Unloads and daemon shutdown start at ``shutdown`` (a requested stop);
         the stall watchdog starts at ``sigterm`` with a short grace. Waits
-        ``shutdown_grace_s`` after the message and ``term_grace_s`` after
-        SIGTERM (defaults: the config's). Returns the steps taken; when it returns
-        the process has been reaped.
+        ``shutdown_grace_s`` after the message, ``term_grace_s`` after
+        SIGTERM (defaults: the config's) and ``sigkill_wait_s`` after SIGKILL.
+        Returns the steps taken; when it returns the process has been reaped,
+        or, the last step ``unkillable``, given up on (see :meth:`_give_up`).
         """
         if first == "shutdown":
             self.stop_requested = True
@@ -875,6 +921,25 @@ class RunnerHandle:
             steps.append("sigkill")
             self.log.warning("escalate_sigkill", reason=reason, elapsed_s=elapsed())
             self.signal(signal.SIGKILL)
-            await self.exited.wait()
+            with anyio.move_on_after(self.config.sigkill_wait_s):
+                await self.exited.wait()
+        if not self.exited.is_set():
+            steps.append("unkillable")
+            self._give_up(elapsed())
+            return steps
         self.log.info("runner_reaped", steps=steps, elapsed_s=elapsed())
         return steps
+
+    def _give_up(self, elapsed_s: float) -> None:
+        """SIGKILL has not ended the process: it sleeps uninterruptibly (a hung
+        disk or network filesystem, a wedged driver) and ends when that does.
+        Nothing waits on it any longer (its model, an unload, admission); it
+        stays counted as holding its memory until it is reaped, whenever."""
+        state = process_state(self.pid)
+        cause = (f"unkillable: SIGKILL did not end pid {self.pid} in "
+                 f"{self.config.sigkill_wait_s:g}s (process state: {state})")  # fmt: skip
+        self.unkillable = True
+        self.log.error("runner_unkillable", pid=self.pid, state=state, elapsed_s=elapsed_s,
+                       rss_bytes=self.rss_bytes)  # fmt: skip
+        self.mark_exited(None, cause)
+        self._end_delivery()  # its pipe stays open while it lives: end its streams now

@@ -51,6 +51,7 @@ class HotSpare:
         self.closing = False
         self.failures = 0  # spares in a row that failed to start or died unclaimed
         self.failure: str | None = None  # the last one's cause
+        self._spawn_done: anyio.Event | None = None  # set when the spawn in progress ends
 
     def take(self, spec: ModelConfig) -> RunnerHandle | None:
         """The spare, adopted by ``spec``, or None if there is no live one.
@@ -76,6 +77,15 @@ class HotSpare:
             return SpareInfo(None, False, None, "failed", self.failure)
         return None
 
+    def warm_footprint_bytes(self) -> int:
+        """What the warm, unclaimed spare holds now, measured (its RSS, or MLX's own figures
+        where larger): a runner's runtime before any model. 0 when there is no warm spare."""
+        spare = self.current
+        if spare is None or not spare.alive or not spare.warm.is_set():
+            return 0
+        spare.measure_rss()
+        return spare.footprint_bytes
+
     async def keep(self) -> None:
         """Run until closing: keep a spare, replace it when taken or dead.
 
@@ -91,6 +101,8 @@ class HotSpare:
             except Exception as exc:
                 log.exception("spare_task_failed")
                 healthy, self.failure = False, f"internal error: {exc!r}"
+            if self.closing:
+                return
             if healthy:
                 self.failures, self.failure = 0, None
                 continue
@@ -108,12 +120,15 @@ class HotSpare:
         ready, or it dies. Returns whether it was healthy (it got warm);
         otherwise ``self.failure`` says why not."""
         handle = RunnerHandle(ModelConfig(name=SPARE_NAME, model=""), self.config)
+        spawn_done = self._spawn_done = anyio.Event()
         try:
             await self._spawn(handle)
         except RunnerStartError as exc:
             self.failure = str(exc)
             return False
-        self.current = handle
+        finally:
+            spawn_done.set()
+        self.current = handle  # before stop() can look: it resumes only after we wait
         await first_of(handle.claimed, handle.exited)
         if self.current is handle:  # it died unclaimed
             self.current = None
@@ -126,8 +141,15 @@ class HotSpare:
         return True
 
     async def stop(self) -> None:
-        """Stop making spares and shut the current one down (escalating)."""
+        """Stop making spares and shut the current one down (escalating).
+
+        A spare still being spawned is waited for (its handshake is bounded by
+        ``handshake_timeout_s``), then stopped the same way: it never outlives
+        this call to die by the task group's cancel, outside the kill ladder.
+        """
         self.closing = True
+        if self._spawn_done is not None:
+            await self._spawn_done.wait()
         spare, self.current = self.current, None
         if spare is not None and spare.alive:
             await spare.escalate("daemon shutdown")

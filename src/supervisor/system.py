@@ -11,3 +11,16 @@ def process_rss(pid: int) -> int | None:
         return int(psutil.Process(pid).memory_info().rss)
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return None
+
+
+def process_state(pid: int | None) -> str:
+    """What ``pid`` is doing as psutil names it (``disk-sleep``: uninterruptible,
+    ``zombie``, ...), or ``gone``."""
+    if pid is None:
+        return "gone"
+    try:
+        return str(psutil.Process(pid).status())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return "gone"
+    except psutil.AccessDenied:
+        return "unknown"

@@ -6,7 +6,14 @@ a vision model above 70% of the machine, then check the estimate plus
 headroom against available memory and the pressure threshold; when it does
 not fit, unload idle models in least-recently-used order (never pinned, busy
 or loading ones), re-measure, and try again. What still does not fit is
-refused with ``insufficient_memory`` and the numbers.
+refused with ``insufficient_memory`` and the numbers. A load that would not
+fit even with every idle model gone (their measured footprints back, their
+grants released) is refused before the first eviction: nothing is unloaded
+for a load that is refused anyway.
+
+The estimate's runtime part is this daemon's measurement (:attr:`Admission.baseline`,
+fed by the registry), and its headroom a share of the model (``memory_headroom_bytes``
+overrides it).
 
 Admissions run one at a time (a lock): two loads must not both count the
 same free memory. Memory granted but not yet used counts as taken: a loaded
@@ -21,16 +28,18 @@ import dataclasses
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
+import msgspec
 import structlog
 
 from ipc.messages import MemoryPlan
 from supervisor.config import SupervisorConfig
-from supervisor.memory.estimate import Estimate
+from supervisor.memory.baseline import RuntimeBaseline
+from supervisor.memory.estimate import HEADROOM_SHARE, Estimate, describe_estimate
 from supervisor.memory.monitor import MemoryMonitor, MemorySnapshot, MiB, default_guard_bytes
 from supervisor.units import format_bytes
 
@@ -38,8 +47,6 @@ log = structlog.get_logger("supervisor.memory")
 
 VISION_LIMIT_FRACTION = 0.70  # ADR-016: vision models above this share of memory crash on Metal
 LARGE_MODEL_FRACTION = 0.70  # text models above it load, with a warning (they swap, slowly)
-HEADROOM_FRACTION = 0.05
-HEADROOM_FLOOR_BYTES = 256 * MiB
 # Metal: the GPU's recommended working set is about 3/4 of RAM on Apple silicon;
 # the sum of our runners' wired limits stays under it.
 METAL_WORKING_SET_FRACTION = 0.75
@@ -80,6 +87,48 @@ Evict = Callable[[str, str], Awaitable[None]]
 """Unload the named model, giving a reason (the registry's eviction)."""
 
 
+def committed_bytes(others: Iterable[Candidate]) -> int:
+    """Granted to running models but not in use yet (budget above footprint)."""
+    return sum(max((o.budget_bytes or 0) - o.footprint_bytes, 0) for o in others if o.holds_runner)
+
+
+def less_committed(snapshot: MemorySnapshot, others: Iterable[Candidate]) -> MemorySnapshot:
+    """``snapshot`` with what the running ``others`` were granted and do not use yet taken
+    from the available memory: what admission may offer."""
+    committed = committed_bytes(others)
+    if not committed:
+        return snapshot
+    return dataclasses.replace(
+        snapshot, available_bytes=max(snapshot.available_bytes - committed, 0)
+    )
+
+
+def has_room(
+    snapshot: MemorySnapshot, others: Iterable[Candidate], wanted_bytes: int, guard_bytes: int
+) -> bool:
+    """The admission rule: ``wanted_bytes`` more fit in what ``snapshot`` has available, less
+    the others' grants not in use yet, without passing the pressure threshold, and with
+    ``guard_bytes`` left over for the runners' guards."""
+    less = less_committed(snapshot, others)
+    return less.fits(wanted_bytes) and less.available_bytes - wanted_bytes >= guard_bytes
+
+
+def with_unloaded(
+    snapshot: MemorySnapshot, others: Sequence[Candidate], gone: Sequence[Candidate]
+) -> tuple[MemorySnapshot, list[Candidate]]:
+    """What admission would see with the models ``gone`` unloaded: their measured footprints
+    available again (never beyond the total), and the others that would remain, so their
+    grants no longer count."""
+    names = {o.name for o in gone}
+    back = sum(o.footprint_bytes for o in gone if o.holds_runner)
+    after = dataclasses.replace(
+        snapshot,
+        available_bytes=min(snapshot.available_bytes + back, snapshot.total_bytes),
+        runners_bytes=max(snapshot.runners_bytes - back, 0),
+    )
+    return after, [o for o in others if o.name not in names]
+
+
 @dataclass
 class Departure:
     """A runner that just died or was unloaded: its memory is on its way back."""
@@ -107,14 +156,22 @@ class Admission:
         self.counters = counters
         self.lock = anyio.Lock()
         self.departures: list[Departure] = []
+        self.baseline = RuntimeBaseline()  # the runtime part of every estimate, measured
 
     # --- sizes -----------------------------------------------------------------
 
-    def headroom_bytes(self, total_bytes: int) -> int:
-        """Added to every estimate: what the estimate may miss."""
-        if self.config.memory_headroom_bytes is not None:
-            return self.config.memory_headroom_bytes
-        return max(int(total_bytes * HEADROOM_FRACTION), HEADROOM_FLOOR_BYTES)
+    def with_headroom(self, estimate: Estimate) -> Estimate:
+        """``estimate`` with the headroom admission adds to it: its own (a share of the
+        model), or ``memory_headroom_bytes`` where configured."""
+        configured = self.config.memory_headroom_bytes
+        if configured is None:
+            return estimate
+        return msgspec.structs.replace(estimate, headroom_bytes=configured)
+
+    def floor_headroom_bytes(self, floor_bytes: int) -> int:
+        """Headroom over a floor (what a dead runner reached) when there is no estimate."""
+        configured = self.config.memory_headroom_bytes
+        return round(HEADROOM_SHARE * floor_bytes) if configured is None else configured
 
     def guard_bytes(self, snapshot: MemorySnapshot) -> int:
         """Memory the runners' guards keep free on the machine (0: off)."""
@@ -234,21 +291,28 @@ class Admission:
     ) -> MemoryPlan:
         evicted: list[str] = []
         snapshot = await self.monitor.sample_async()
-        headroom = self.headroom_bytes(snapshot.total_bytes)
         guard = self.guard_bytes(snapshot)
         needed: int | None = None
+        headroom = 0
+        if estimate is not None:
+            estimate = self.with_headroom(estimate)
+            headroom = estimate.headroom_bytes
+        elif floor_bytes:
+            headroom = self.floor_headroom_bytes(floor_bytes)
         if estimate is not None or floor_bytes:
             estimated = estimate.total_bytes if estimate is not None else 0
             needed = max(estimated, floor_bytes) + headroom
+        # The spare's RSS is counted as used and is part of the estimate too.
+        wanted = max((needed or 0) - spare_bytes, 0)
+        basis = self._basis(estimate, floor_bytes, headroom, spare_bytes)
 
         def room(snapshot: MemorySnapshot) -> bool:
-            # The spare's RSS is counted as used and is part of the estimate too.
-            assert needed is not None
-            less = self._less_committed(snapshot, others())
-            wanted = max(needed - spare_bytes, 0)
-            return less.fits(wanted) and less.available_bytes - wanted >= guard
+            return has_room(snapshot, others(), wanted, guard)
 
         snapshot = await self.gate(room if needed is not None else None)
+        if needed is not None:
+            self._refuse_if_never_fits(name, estimate, needed, basis, wanted, guard, snapshot,
+                                       list(others()))  # fmt: skip
 
         cap = self.config.max_loaded_models
         while cap and sum(1 for o in others() if o.holds_runner) >= cap:
@@ -269,17 +333,6 @@ class Admission:
             log.warning("admission_without_estimate", model=name, reason=reason,
                         note="model not on this machine yet: no size to check")  # fmt: skip
             return self._plan(snapshot, None, others(), spare_bytes, guard)
-        if (
-            estimate is not None
-            and estimate.vision
-            and (estimate.total_bytes > VISION_LIMIT_FRACTION * total)
-        ):
-            self.counters["admission_refused"] += 1
-            raise AdmissionRefused(
-                f"{name} is a vision model needing {format_bytes(estimate.total_bytes)}, "
-                f"more than {VISION_LIMIT_FRACTION:.0%} of this machine's "
-                f"{format_bytes(total)}: vision encoders crash with Metal OOM there (ADR-016)"
-            )
         if needed - headroom > LARGE_MODEL_FRACTION * total:
             log.warning("model_exceeds_70pct", model=name, estimate_bytes=needed - headroom,
                         total_bytes=total, note="expect swapping and extreme slowness")  # fmt: skip
@@ -287,19 +340,12 @@ class Admission:
             victim = self._victim(others())
             if victim is None:
                 self.counters["admission_refused"] += 1
-                less = self._less_committed(snapshot, others())
-                committed = self.committed_bytes(others())
+                less = less_committed(snapshot, others())
+                committed = committed_bytes(others())
                 gone = f"; evicted {', '.join(evicted)}" if evicted else "; nothing idle to evict"
-                basis = (
-                    f"estimate {format_bytes(estimate.total_bytes)}" if estimate is not None
-                    else "no estimate"
-                )  # fmt: skip
-                if floor_bytes:
-                    basis += f", at least the {format_bytes(floor_bytes)} its last runner reached"
                 raise AdmissionRefused(
-                    f"{name} needs {format_bytes(needed)} ({basis}; + headroom "
-                    f"{format_bytes(headroom)}), and {format_bytes(guard)} must stay free for "
-                    f"the guards, but {less.describe()}"
+                    f"{name} needs {format_bytes(needed)} ({basis}), and {format_bytes(guard)} "
+                    f"must stay free for the guards, but {less.describe()}"
                     + (f" after {format_bytes(committed)} granted to loaded models" if committed
                        else "")
                     + gone
@@ -312,20 +358,69 @@ class Admission:
         return self._plan(snapshot, needed, others(), spare_bytes, guard)
 
     @staticmethod
-    def committed_bytes(others: Iterable[Candidate]) -> int:
-        """Granted to running models but not in use yet (budget above footprint)."""
-        return sum(
-            max((o.budget_bytes or 0) - o.footprint_bytes, 0) for o in others if o.holds_runner
-        )
+    def _basis(
+        estimate: Estimate | None, floor_bytes: int, headroom_bytes: int, spare_bytes: int
+    ) -> str:
+        """What a need was computed from, for the refusal: the estimate's parts, the floor
+        after a memory death, the headroom, and the part the warm spare already holds."""
+        if estimate is not None:
+            basis = describe_estimate(estimate)
+            if floor_bytes:
+                basis += f"; at least the {format_bytes(floor_bytes)} its last runner reached"
+        else:
+            basis = (
+                f"no estimate; at least the {format_bytes(floor_bytes)} its last runner "
+                f"reached; + headroom {format_bytes(headroom_bytes)}"
+            )
+        if spare_bytes:
+            basis += f"; the warm spare it takes holds {format_bytes(spare_bytes)} of it"
+        return basis
 
-    def _less_committed(
-        self, snapshot: MemorySnapshot, others: Iterable[Candidate]
-    ) -> MemorySnapshot:
-        committed = self.committed_bytes(others)
-        if not committed:
-            return snapshot
-        return dataclasses.replace(
-            snapshot, available_bytes=max(snapshot.available_bytes - committed, 0)
+    def _refuse_if_never_fits(
+        self,
+        name: str,
+        estimate: Estimate | None,
+        needed: int,
+        basis: str,
+        wanted: int,
+        guard: int,
+        snapshot: MemorySnapshot,
+        others: Sequence[Candidate],
+    ) -> None:
+        """Refuse, before anything is evicted, a load that cannot fit whatever is evicted:
+        a vision model too large for Metal (ADR-016), or one that would not fit even with
+        every idle model unloaded (by :func:`has_room`, the rule the eviction loop uses)."""
+        total = snapshot.total_bytes
+        if (
+            estimate is not None
+            and estimate.vision
+            and (estimate.total_bytes > VISION_LIMIT_FRACTION * total)
+        ):
+            self.counters["admission_refused"] += 1
+            raise AdmissionRefused(
+                f"{name} is a vision model needing {format_bytes(estimate.total_bytes)}, "
+                f"more than {VISION_LIMIT_FRACTION:.0%} of this machine's "
+                f"{format_bytes(total)}: vision encoders crash with Metal OOM there (ADR-016)"
+            )
+        idle = [o for o in others if o.evictable]
+        if not idle or has_room(snapshot, others, wanted, guard):
+            return  # nothing to evict (the loop refuses), or it fits now
+        after, remaining = with_unloaded(snapshot, others, idle)
+        if has_room(after, remaining, wanted, guard):
+            return
+        self.counters["admission_refused"] += 1
+        now = less_committed(snapshot, others).available_bytes
+        more = less_committed(after, remaining).available_bytes - now
+        committed = committed_bytes(others)
+        log.warning("admission_never_fits", model=name, needed_bytes=needed,
+                    available_bytes=now, evictable_bytes=more,
+                    idle=[o.name for o in idle])  # fmt: skip
+        raise AdmissionRefused(
+            f"{name} needs {format_bytes(needed)} ({basis}); {format_bytes(now)} available"
+            + (f" after {format_bytes(committed)} granted to loaded models" if committed else "")
+            + f", {format_bytes(more)} more if every idle model were unloaded "
+            f"({', '.join(o.name for o in idle)}), and {format_bytes(guard)} must stay free "
+            f"for the guards ({snapshot.describe()}): it cannot fit, so nothing was evicted"
         )
 
     def _victim(self, others: Iterable[Candidate]) -> Candidate | None:

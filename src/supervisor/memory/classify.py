@@ -59,6 +59,14 @@ the stderr tail or the cause wins."""
 CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS"})
 
 
+def ended_by_failed_step(exit_info: ExitInfo) -> bool:
+    """Whether a rank (the first of its group to die) exited because a step
+    raised there, as its exit audit says: the request that ran the step would
+    end the restarted group again, so it is not retried."""
+    audit = exit_info.audit
+    return audit is not None and audit.cause_class == "step_failed"
+
+
 def classify_exit(exit_info: ExitInfo, *, requested: bool, under_pressure: bool) -> CauseClass:
     """Name the kind of death ``exit_info`` describes.
 
@@ -83,6 +91,8 @@ def classify_exit(exit_info: ExitInfo, *, requested: bool, under_pressure: bool)
         exit_info.code == MEMORY_GUARD_EXIT_CODE
     ):
         return "memory_guard"
+    if ended_by_failed_step(exit_info):
+        return "step_failed"
     text = "\n".join([exit_info.cause, *exit_info.stderr_tail])
     for pattern, cause_class in FATAL_MESSAGES:
         if pattern.search(text):

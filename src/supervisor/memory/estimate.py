@@ -3,6 +3,10 @@
 003's formula, for MLX: weights + KV cache + activations + overhead, plus an allowance for a
 vision encoder's activations (ADR-016). Weights are exact where the model ships safetensors (the
 byte ranges in the file headers, quantized tensors included); the rest come from ``config.json``.
+The overhead's largest part, the runner's runtime (Python, mlx and mlx_lm imported, no model),
+is measured by the daemon (:mod:`supervisor.memory.baseline`, applied with :func:`with_runtime`);
+the estimate alone carries :data:`RUNTIME_DEFAULT_BYTES` and says so (``overhead_source``).
+Admission plans the total plus ``headroom_bytes``, a share of the model's own parts.
 A GGUF file is estimated as the runner will load it, converted and dequantized (see
 ``runner.gguf_import``): from its conversion when there is one, else from its header. The
 tensor data itself is never read, and mlx, mlx_lm, numpy and gguf-py are never imported: this
@@ -26,13 +30,17 @@ BUILTIN_PREFIX = "builtin:"  # as runner.builtin says; the daemon imports it onl
 
 __all__ = [
     "DEFAULT_CONTEXT_TOKENS",
+    "HEADROOM_SHARE",
+    "RUNTIME_DEFAULT_BYTES",
     "Estimate",
     "default_context_tokens",
+    "describe_estimate",
     "estimate_json",
     "estimate_model_dir",
     "estimate_reference",
     "local_model_path",
     "render_estimate",
+    "with_runtime",
 ]
 
 MiB = 1024**2
@@ -49,13 +57,29 @@ PREFILL_STEP_TOKENS = 2048
 ACTIVATION_MULTIPLIER = 4
 # Activation (and KV cache) element size when config.json names no dtype: bfloat16/float16.
 DEFAULT_BYTES_PER_ELEMENT = 2
-# An idle runner: Python + mlx + mlx_lm imported. Measured 75.8 MB RSS (import mlx_lm, psutil)
-# and 82.4 MB with the runner's own modules and a first evaluation (Linux, CPU backend, mlx
-# 0.32.4, mlx-lm 0.32.2); rounded up to 256 MiB for the Metal/CUDA device context and compiled
-# kernels, which the CPU backend measured here does not have.
-RUNNER_BASE_BYTES = 256 * MiB
-# MLX's allocator rounds buffers up to size classes and keeps freed ones in its cache.
+# A runner's runtime before any model (Python, mlx and mlx_lm imported) when nothing has been
+# measured yet: the daemon measures its warm spare (or its first runner at its start) instead,
+# and the ``estimate`` command has neither. A warm spare held 87-89 MiB RSS (Linux, CPU backend,
+# mlx 0.32.4, mlx-lm 0.32.2, bench_memory.py); rounded up for a GPU's device context, which
+# this machine cannot show.
+RUNTIME_DEFAULT_BYTES = 128 * MiB
+# What loading a model adds to the runtime besides its tensors and tokenizer, about the same for
+# any model: the model's modules, the engine's generation state. builtin:tiny (1.4 MB of
+# weights) peaked 17 MiB above its warm spare's RSS plus MLX's peak, after 512 tokens (VmHWM,
+# bench_memory.py); rounded up.
+MODEL_RUNTIME_BYTES = 20 * MiB
+# The tokenizer in memory (the fast tokenizer's tables and transformers' wrapper) grows with the
+# vocabulary: loading it added 4.1 MiB RSS for builtin:small's 2,048 tokens and 50.3 MiB for
+# builtin:smollm2's 49,152 (Linux, tokenizers 0.22): a base and about 1 KiB a token.
+TOKENIZER_BASE_BYTES = 4 * MiB
+TOKENIZER_BYTES_PER_TOKEN = 1024
+# Memory outside MLX's own count that grows with the weights: the blocks malloc keeps after MLX
+# frees them, the loader's transient copies. What builtin:small and smollm2 peaked at beyond
+# the runtime, tokenizer, MLX's peak and the constant above was under 2% of their weights.
 ALLOCATOR_SHARE_OF_WEIGHTS = 0.02
+# Admission plans an estimate plus this share of the model's own parts (all but the measured
+# runtime): what the estimate may miss grows with the model, not with the machine.
+HEADROOM_SHARE = 0.10
 # Vision encoder extra beyond its weights (which are already counted): image tensors and one
 # image's encoder activations, about constant, plus a share of all weights because the image
 # features then pass through the language model at its width (projector output, cross-attention
@@ -98,7 +122,21 @@ class Estimate(msgspec.Struct, frozen=True):
     vision: bool
     weights_source: str  # "safetensors" (exact), "gguf" (header), "disk" (size), "builtin"
     path: str | None  # the model directory or file (None if not on disk)
+    runtime_bytes: int = 0  # part of overhead: the runners' runtime before any model
+    overhead_source: str = "default"  # of the runtime: "spare", "runner" (measured), "default"
+    headroom_bytes: int = 0  # planned on top of total_bytes (a share of the model's parts)
 
+    @property
+    def planned_bytes(self) -> int:
+        """What admission plans for (and grants as the runner's budget): total + headroom."""
+        return self.total_bytes + self.headroom_bytes
+
+
+_OVERHEAD_SOURCE_TEXT = {
+    "spare": "measured: the warm spare",
+    "runner": "measured: a runner at its start",
+    "default": "a default: nothing measured yet",
+}
 
 _SOURCE_TEXT = {
     "safetensors": "exact, from the safetensors headers",
@@ -302,21 +340,45 @@ def _assemble(
         raise ValueError(f"context_tokens must be at least 1, not {context_tokens}")
     kv_cache = _kv_cache_bytes(config, context_tokens)
     activations = _activation_bytes(config, context_tokens)
-    overhead = RUNNER_BASE_BYTES + round(ALLOCATOR_SHARE_OF_WEIGHTS * weights_bytes)
+    vocabulary = _positive_int(config, "vocab_size") or 0
+    model_overhead = (
+        MODEL_RUNTIME_BYTES
+        + TOKENIZER_BASE_BYTES
+        + TOKENIZER_BYTES_PER_TOKEN * vocabulary
+        + round(ALLOCATOR_SHARE_OF_WEIGHTS * weights_bytes)
+    )
     vision_extra = (
         VISION_BASE_BYTES + round(VISION_SHARE_OF_WEIGHTS * weights_bytes) if vision else 0
     )
+    model = weights_bytes + kv_cache + activations + model_overhead + vision_extra
     return Estimate(
         weights_bytes=weights_bytes,
         kv_cache_bytes=kv_cache,
         activation_bytes=activations,
-        overhead_bytes=overhead,
+        overhead_bytes=RUNTIME_DEFAULT_BYTES + model_overhead,
         vision_bytes=vision_extra,
-        total_bytes=weights_bytes + kv_cache + activations + overhead + vision_extra,
+        total_bytes=RUNTIME_DEFAULT_BYTES + model,
         context_tokens=context_tokens,
         vision=vision,
         weights_source=weights_source,
         path=None if path is None else str(path),
+        runtime_bytes=RUNTIME_DEFAULT_BYTES,
+        overhead_source="default",
+        headroom_bytes=round(HEADROOM_SHARE * model),
+    )
+
+
+def with_runtime(estimate: Estimate, runtime_bytes: int, source: str) -> Estimate:
+    """``estimate`` with its runtime part (in ``overhead_bytes`` and the total) replaced by
+    ``runtime_bytes``, which came from ``source`` ("spare", "runner" or "default"). The
+    headroom stays: it is a share of the model's parts, which did not change."""
+    delta = runtime_bytes - estimate.runtime_bytes
+    return msgspec.structs.replace(
+        estimate,
+        runtime_bytes=runtime_bytes,
+        overhead_bytes=estimate.overhead_bytes + delta,
+        total_bytes=estimate.total_bytes + delta,
+        overhead_source=source,
     )
 
 
@@ -482,15 +544,21 @@ def _builtin_recipe(model: str) -> tuple[dict[str, Any], int]:
 def render_estimate(estimate: Estimate, model: str) -> str:
     """The table ``mlx-supervisor estimate MODEL`` prints: one line per part, the total, and
     where the weights figure comes from."""
+    source = _OVERHEAD_SOURCE_TEXT.get(estimate.overhead_source, estimate.overhead_source)
     rows = [
         ("weights", estimate.weights_bytes),
         (f"KV cache ({estimate.context_tokens} tokens)", estimate.kv_cache_bytes),
         ("activations", estimate.activation_bytes),
         ("runner overhead", estimate.overhead_bytes),
+        (f"  runtime ({source})", estimate.runtime_bytes),
     ]
     if estimate.vision:
         rows.append(("vision encoder", estimate.vision_bytes))
-    rows.append(("total", estimate.total_bytes))
+    rows += [
+        ("total", estimate.total_bytes),
+        ("headroom", estimate.headroom_bytes),
+        ("planned", estimate.planned_bytes),
+    ]
     label_width = max(len(label) for label, _ in rows)
     sizes = [format_bytes(n) for _, n in rows]
     size_width = max(len(size) for size in sizes)
@@ -500,11 +568,33 @@ def render_estimate(estimate: Estimate, model: str) -> str:
         lines.append(f"  {label:<{label_width}}  {size:>{size_width}}")
     source = _SOURCE_TEXT.get(estimate.weights_source, estimate.weights_source)
     lines.append(f"weights: {source}")
+    if estimate.overhead_source == "default":
+        lines.append("runtime: a default; a daemon plans what it measures on its warm spare")
     if estimate.path is not None:
         lines.append(f"path: {estimate.path}")
     return "\n".join(lines)
 
 
 def estimate_json(estimate: Estimate) -> dict[str, Any]:
-    """The estimate as a JSON object (``estimate --json``): every field of ``Estimate``."""
-    return msgspec.structs.asdict(estimate)
+    """The estimate as a JSON object (``estimate --json``): every field of ``Estimate``, and
+    ``planned_bytes``."""
+    return {**msgspec.structs.asdict(estimate), "planned_bytes": estimate.planned_bytes}
+
+
+def describe_estimate(estimate: Estimate) -> str:
+    """The estimate in one line, for refusals and logs: the total and its parts, the runtime
+    and where that came from, and the headroom planned on top."""
+    source = _OVERHEAD_SOURCE_TEXT.get(estimate.overhead_source, estimate.overhead_source)
+    parts = [
+        f"weights {format_bytes(estimate.weights_bytes)}",
+        f"KV cache {format_bytes(estimate.kv_cache_bytes)} ({estimate.context_tokens} tokens)",
+        f"activations {format_bytes(estimate.activation_bytes)}",
+        f"overhead {format_bytes(estimate.overhead_bytes)} (runtime "
+        f"{format_bytes(estimate.runtime_bytes)}, {source})",
+    ]
+    if estimate.vision:
+        parts.append(f"vision encoder {format_bytes(estimate.vision_bytes)}")
+    return (
+        f"estimate {format_bytes(estimate.total_bytes)}: {' + '.join(parts)}; "
+        f"+ headroom {format_bytes(estimate.headroom_bytes)}"
+    )
