@@ -8,6 +8,7 @@ only rarely, a bug) cannot be had from a real daemon on demand.
 from __future__ import annotations
 
 import errno
+import signal
 import time
 from pathlib import Path
 
@@ -110,8 +111,14 @@ class BrokenHandle:
     pid = None
     log = structlog.get_logger("test")
 
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
     async def escalate(self, reason: str) -> list[str]:
         raise RuntimeError("a bug in the kill ladder")
+
+    def signal(self, signum: int) -> None:
+        self.signals.append(signum)
 
 
 @pytest.mark.anyio
@@ -122,10 +129,11 @@ async def test_an_unload_that_fails_midway_still_forgets_the_model() -> None:
         async with anyio.create_task_group() as tg:
             registry = Registry(SupervisorConfig(hot_spare=False, http_listen="off"), tg)
             entry = idle_entry("broken", idle_s=0.0)
-            entry.handle = BrokenHandle()  # type: ignore[assignment]
+            handle = entry.handle = BrokenHandle()  # type: ignore[assignment]
             registry.entries["broken"] = entry
             with pytest.raises(RuntimeError, match="kill ladder"):
                 await registry.unload("broken")
             assert "broken" not in registry.entries
             assert entry.forgotten.is_set()
+            assert handle.signals == [signal.SIGKILL]  # no runner outlives its forgotten model
             tg.cancel_scope.cancel()

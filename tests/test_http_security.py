@@ -103,6 +103,10 @@ def test_a_foreign_pages_no_cors_requests_are_refused_though_they_carry_no_origi
     for site in ("none", "same-origin"):
         fetched = httpx.get(f"{url}/v1/models", headers={"Sec-Fetch-Site": site}, timeout=30)
         assert fetched.status_code == 200, site
+    # A link on another site that the user follows: the answer is shown to them, not the page.
+    followed = httpx.get(f"{url}/v1/models", timeout=30,
+                         headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"})
+    assert followed.status_code == 200
     # A page of an allowed origin sends its Origin with its fetch: served.
     _, url2 = start(start_daemon, 'http_cors_origins = ["http://localhost:3000"]\n')
     allowed = httpx.get(f"{url2}/v1/models", timeout=30,

@@ -106,7 +106,11 @@ def _pip_download(
     deadline = time.monotonic() + PIP_TIMEOUT_S
     try:
         with open(pip_errors, "w+", encoding="utf-8", errors="replace") as errors:
-            with subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=errors, env=env) as pip:
+            # Its output to the file, never to ours: a pip still writing to the runner's
+            # stdout would keep that pipe open after the runner died, and the supervisor
+            # (asyncio) waits for a child's pipes to close before it sees the exit.
+            with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=errors,
+                                  stderr=errors, env=env) as pip:  # fmt: skip
                 try:
                     returncode = _wait_for_pip(pip, deadline, what, work, progress, wheel_size)
                 except BaseException:

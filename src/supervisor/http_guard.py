@@ -16,10 +16,12 @@ generation):
   with an ``Origin`` is served only from the daemon's own pages (the Origin
   is its own base URL) or an origin in ``http_cors_origins`` (403
   ``origin_not_allowed``); clients that are not browsers send no Origin.
-- Requests without an Origin: an ``<img>``, ``<script>`` or plain form of
-  any page sends its GET with none; browsers say where such a request comes
-  from in ``Sec-Fetch-Site``, and another site's (``cross-site``,
-  ``same-site``) is refused unless its Origin is allowed.
+- Requests without an Origin: an ``<img>`` or ``<script>`` of any page sends
+  its GET with none; browsers say where such a request comes from in
+  ``Sec-Fetch-Site``, and another site's (``cross-site``, ``same-site``) is
+  refused, but for a link the user follows (``Sec-Fetch-Mode: navigate``:
+  the answer is shown to the user, not to the page) and with
+  ``http_cors_origins = ["*"]``.
 - Bodies: a POST must say ``Content-Type: application/json`` (parameters
   allowed), which no simple request can (415 ``unsupported_media_type``).
 
@@ -184,6 +186,7 @@ class HttpGuard:
                 max_age=CORS_MAX_AGE_S,
             )
         self.app: ASGIApp = self.cors or app
+        self._any_origin = "*" in cors_origins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -213,7 +216,12 @@ class HttpGuard:
                 403, f"pages of origin {origin!r} may not call this server: add it to "
                 "http_cors_origins to let them", type="permission_error", code="origin_not_allowed",
             )  # fmt: skip
-        if origin is None and headers.get("sec-fetch-site") in FOREIGN_FETCH_SITES:
+        if (
+            origin is None
+            and headers.get("sec-fetch-site") in FOREIGN_FETCH_SITES
+            and headers.get("sec-fetch-mode") != "navigate"  # a followed link: shown to the user
+            and not self._any_origin
+        ):
             return ApiError(
                 403, "another site's page may not call this server (a request of an <img>, "
                 "<script> or form from it carries no Origin; Sec-Fetch-Site says where it came "

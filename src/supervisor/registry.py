@@ -13,6 +13,7 @@ import contextlib
 import functools
 import itertools
 import math
+import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -1260,6 +1261,8 @@ class Registry:
                     steps = await handle.escalate(reason)
                 await entry.stopped.wait()
         finally:
+            if not entry.stopped.is_set() and handle is not None:
+                handle.signal(signal.SIGKILL)  # a bug cut the ladder short: no runner outlives it
             if self.entries.get(name) is entry:
                 del self.entries[name]
                 entry.forgotten.set()

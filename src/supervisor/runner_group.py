@@ -54,7 +54,7 @@ from ipc.messages import (
 )
 from supervisor.config import ModelConfig, SupervisorConfig
 from supervisor.memory.classify import classify_exit
-from supervisor.memory.estimate import Estimate
+from supervisor.memory.estimate import ALLOCATOR_SHARE_OF_WEIGHTS, Estimate
 from supervisor.memory.monitor import default_guard_bytes
 from supervisor.runner_handle import (
     EventWaiter,
@@ -172,16 +172,19 @@ def is_group(spec: ModelConfig) -> bool:
 def group_estimate(estimate: Estimate, ranks: int, local: int | None = None) -> Estimate:
     """What the ``local`` ranks (default: all) of a ``ranks``-process group
     hold on this machine, for a model the estimate is for: the weights and
-    the KV cache are split between the ranks; each has its own activations
-    and runtime overhead. One rank holds about
-    ``(weights + kv) / ranks + activation + overhead``. The headroom stays
-    the same share of all but the runtime."""
+    the KV cache are split between the ranks, and so is the overhead that
+    grows with the weights; each has its own activations and the rest of the
+    overhead (runtime, tokenizer). One rank holds about
+    ``(weights + kv + weights' overhead) / ranks + activation + overhead``.
+    The headroom stays the same share of all but the runtime."""
     local = ranks if local is None else local
     if ranks <= 1:
         return estimate
+    weights_share = min(round(ALLOCATOR_SHARE_OF_WEIGHTS * estimate.weights_bytes),
+                        estimate.overhead_bytes)  # fmt: skip
     split = estimate.weights_bytes + estimate.kv_cache_bytes + estimate.vision_bytes
     activation = estimate.activation_bytes * local
-    overhead = estimate.overhead_bytes * local
+    overhead = (estimate.overhead_bytes - weights_share) * local + weights_share * local // ranks
     runtime = estimate.runtime_bytes * local
     total = split * local // ranks + activation + overhead
     model_before = estimate.total_bytes - estimate.runtime_bytes

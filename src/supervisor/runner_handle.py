@@ -383,7 +383,7 @@ class RunnerHandle:
                 with anyio.move_on_after(self.config.sigkill_wait_s):
                     await self.exited.wait()
                 if not self.exited.is_set():
-                    self._give_up(self.config.sigkill_wait_s)
+                    await self._give_up(self.config.sigkill_wait_s)
                 await self.channel.aclose()
             self._events_in.close()
             reason = str(exc) or type(exc).__name__
@@ -923,18 +923,32 @@ class RunnerHandle:
             self.signal(signal.SIGKILL)
             with anyio.move_on_after(self.config.sigkill_wait_s):
                 await self.exited.wait()
-        if not self.exited.is_set():
+        if not self.exited.is_set() and await self._give_up(elapsed()):
             steps.append("unkillable")
-            self._give_up(elapsed())
             return steps
         self.log.info("runner_reaped", steps=steps, elapsed_s=elapsed())
         return steps
 
-    def _give_up(self, elapsed_s: float) -> None:
-        """SIGKILL has not ended the process: it sleeps uninterruptibly (a hung
-        disk or network filesystem, a wedged driver) and ends when that does.
-        Nothing waits on it any longer (its model, an unload, admission); it
-        stays counted as holding its memory until it is reaped, whenever."""
+    async def _give_up(self, elapsed_s: float) -> bool:
+        """SIGKILL has not ended the process in ``sigkill_wait_s``: it sleeps
+        uninterruptibly (a hung disk or network filesystem, a wedged driver)
+        and ends when that does. Nothing waits on it any longer (its model, an
+        unload, admission): its streams end, and our end of its command pipe
+        closes (a send blocked on the full pipe would wait for good). It stays
+        counted as holding its memory until it is reaped, whenever.
+
+        Returns False, and gives up nothing, when it has ended after all: its
+        exit was not seen because a child of its own holds its stdout or
+        stderr open, and asyncio's wait waits for those too.
+        """
+        returncode = self.process.returncode if self.process is not None else None
+        if returncode is not None:
+            self.log.warning("runner_output_held_open", code=returncode,
+                             note="a child of the runner holds its stdout or stderr")  # fmt: skip
+            self.mark_exited(returncode)
+            self.reaped.set()  # dead: its memory is back, whatever holds its pipes
+            self._end_delivery()
+            return False
         state = process_state(self.pid)
         cause = (f"unkillable: SIGKILL did not end pid {self.pid} in "
                  f"{self.config.sigkill_wait_s:g}s (process state: {state})")  # fmt: skip
@@ -943,3 +957,7 @@ class RunnerHandle:
                        rss_bytes=self.rss_bytes)  # fmt: skip
         self.mark_exited(None, cause)
         self._end_delivery()  # its pipe stays open while it lives: end its streams now
+        if self.channel is not None:
+            with contextlib.suppress(Exception):
+                await self.channel.stream.send_eof()
+        return True
