@@ -88,8 +88,6 @@ PREFILL_RATE_WEIGHT = 0.3  # of the newest solo prefill in the running estimate
 NEXT_TURN_CHUNK_S = 0.05
 """A next-turn prefill computes about this long at a time (by the prefill
 rate measured): a request that comes in waits at most that for it."""
-NEXT_TURN_MIN_CHUNK = 4  # tokens, however slow the model
-NEXT_TURN_FIRST_CHUNK = 256  # tokens, before any prefill rate is measured
 NEXT_TURN_PROBES = ("A", "B")
 """Two user lines that differ in their first character: the tokens that
 both next-turn renders share are the ones any next turn starts with."""
@@ -1007,9 +1005,7 @@ class Engine:
             if turn.cache is None and not self._resume_next_turn(turn):
                 return
             assert turn.tokens is not None and turn.cache is not None
-            rate = self.pacer.rate_tps
-            size = NEXT_TURN_FIRST_CHUNK if rate is None else int(rate * NEXT_TURN_CHUNK_S)
-            size = max(NEXT_TURN_MIN_CHUNK, min(size, MAX_STEP_TOKENS))
+            size = self.pacer.step_tokens(target_s=NEXT_TURN_CHUNK_S)
             chunk = turn.tokens[turn.done : turn.done + size]
             started = time.perf_counter()
             with mx.stream(generation_stream):

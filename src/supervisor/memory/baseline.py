@@ -25,8 +25,8 @@ class RuntimeBaseline:
     """The latest measured runtime footprint, and where it came from.
 
     A spare's reading replaces any earlier one (the latest warm spare is the truth for this
-    daemon's code and backend); a runner's is taken only while no spare has been read, since
-    by the time it is read the runner may have begun its load.
+    daemon's code and backend, measured idle); a runner's, as it read itself at its start, is
+    taken only while no spare has been read.
 
     Args:
         default_bytes: the figure before anything is measured.
