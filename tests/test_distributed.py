@@ -75,6 +75,24 @@ exec /bin/sh -c "$2"
 """
 
 
+def test_requests_back_to_back_on_a_group_all_end_as_they_should(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    # Each request starts while the last one's token computed ahead may still
+    # be in flight on every rank: the ranks' agreement at the prefill's start
+    # must not overlap that forward's own collectives (it did now and then,
+    # and the ring summed flags with activations: a bogus "memory pressure on
+    # another rank", or a chunk of 0 tokens).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    client = Client(start_daemon(FAST, env={"TMPDIR": str(tmp)}).socket_path)
+    client.load("builtin:tiny", "pair", ranks=2)
+    for index in range(40):
+        _, done = client.generate_text("pair", (PROMPT, "The capital of France is")[index % 2],
+                                       max_tokens=8)  # fmt: skip
+        assert (done.finish_reason, done.detail, done.generation_tokens) == ("length", None, 8)
+
+
 def remote_pair(tmp_path: Path, ssh_script: str) -> tuple[Path, str]:
     """A hostfile of two ranks, the second on "node-b.test" reached through
     ``ssh_script`` (a stand-in ssh), and the daemon config that goes with it."""

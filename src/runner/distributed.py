@@ -64,7 +64,7 @@ class Group:
         (a step's size each rank would choose from its own timings), in one
         ``all_sum``. Every rank must call this at the same point."""
         size = size if self.rank == 0 else 0
-        local = mx.array([int(stop), int(cancelled), size], dtype=mx.int64)
+        local = mx.array([int(stop), int(cancelled), size], dtype=mx.int32)  # a step: < 2**31
         total = mx.distributed.all_sum(local, group=self.group, stream=mx.cpu)
         values = cast(list[int], total.tolist())
         return bool(values[0]), bool(values[1]), values[2]

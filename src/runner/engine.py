@@ -590,6 +590,10 @@ class Engine:
         cancelled = self.is_cancelled(job.request_id)
         size = min(self.pacer.step_tokens(), left)
         if self.group is not None:  # every rank stops, and steps, alike
+            # The last request's token computed ahead may still be in flight, its
+            # forward's all_sums with it: ours must not overlap them (the ring
+            # then sums one rank's flags with another's activations).
+            mx.synchronize(generation_stream)
             elsewhere, cancelled, size = self.group.agree_with_step(stop is not None, cancelled,
                                                                     size)  # fmt: skip
             if elsewhere and stop is None:
