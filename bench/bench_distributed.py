@@ -47,16 +47,14 @@ from common import (
     Daemon,
     alternate,
     first_record,
-    log_time,
     machine_info,
-    median,
     note,
-    percentiles,
-    render_table,
     runner_info,
     write_json,
 )
 from supervisor.client import Client
+from supervisor.daemon.logs import log_time
+from supervisor.figures import median, percentiles, render_table
 
 DEFAULT_OUT = RESULTS_DIR / "distributed.json"
 RANKS = 2

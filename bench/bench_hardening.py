@@ -54,14 +54,13 @@ from common import (
     mlx_device,
     ms,
     note,
-    percentiles,
     ratio,
-    render_table,
     runner_info,
     verdict,
     write_json,
 )
 from supervisor.client import Client, ClientError
+from supervisor.figures import percentiles, render_table
 
 DEFAULT_OUT = RESULTS_DIR / "hardening.json"
 MODEL = "builtin:tiny"

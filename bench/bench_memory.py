@@ -50,8 +50,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -60,20 +58,20 @@ from common import (
     alternate,
     first_record,
     load_average,
-    log_time,
     machine_info,
-    median,
     mlx_device,
     ms,
     note,
-    render_table,
     runner_info,
     verdict,
     write_json,
 )
 from ipc.messages import RunnerInfo
 from supervisor.client import Client, ClientError
+from supervisor.daemon.logs import log_time
+from supervisor.figures import median, render_table
 from supervisor.memory.estimate import Estimate, estimate_reference, with_runtime
+from supervisor.system import process_peak_rss, process_rss
 from supervisor.units import format_bytes
 
 DEFAULT_OUT = RESULTS_DIR / "memory.json"
@@ -93,17 +91,6 @@ RSS_RUNNERS = ("a", "b", "c", "d")  # figure 4
 RSS_TARGET_BYTES = 100_000_000
 NEVER_FITS_CONTEXT = 200_000  # figure 5: builtin:small planned for this: far over the machine
 CLIENT_TIMEOUT_S = 600  # the 512-token generation on builtin:small takes up to ~4 min here
-
-
-# --- the runners -----------------------------------------------------------------
-
-
-def vm_hwm_bytes(pid: int) -> int:
-    """The process's peak RSS so far (VmHWM); it must still be alive."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
 # --- figure 1: the estimate against the measured peak ---------------------------
@@ -147,7 +134,9 @@ def estimator_error(stack: ExitStack, tmp: Path) -> list[dict[str, Any]]:
         readings = after_pongs(client, name)
         info = readings[-1]
         assert info.pid is not None and info.mlx_peak_bytes is not None
-        hwm = vm_hwm_bytes(info.pid)
+        hwm = process_peak_rss(info.pid)  # VmHWM: the runner must still be alive
+        if hwm is None:
+            raise RuntimeError(f"no VmHWM for pid {info.pid}")
         client.unload(name)
         context = done.prompt_tokens + done.generation_tokens
         reference = estimate_reference(model, context)
@@ -311,19 +300,18 @@ def eviction(stack: ExitStack, tmp: Path, reps: int) -> dict[str, Any]:
 def daemon_rss(stack: ExitStack, tmp: Path) -> dict[str, Any]:
     d = Daemon.start(stack, tmp, "rss", "hot_spare = false\n", client_timeout_s=CLIENT_TIMEOUT_S)
     daemon, client = d.process, d.client
-    process = psutil.Process(daemon.pid)
     client.status()
-    empty = process.memory_info().rss
+    empty = process_rss(daemon.pid)
     note(f"figure 4: {len(RSS_RUNNERS)} x builtin:tiny")
     for name in RSS_RUNNERS:
         client.load("builtin:tiny", name)
         client.generate_text(name, PROMPT, max_tokens=SHORT_TOKENS)
     status = client.status()
-    loaded = process.memory_info().rss
+    loaded = process_rss(daemon.pid)
     runners = [r.rss_bytes or 0 for r in status.runners]
     for name in RSS_RUNNERS:
         client.unload(name)
-    after = process.memory_info().rss
+    after = process_rss(daemon.pid)
     daemon.terminate()
     return {
         "daemon_rss_empty_bytes": empty,

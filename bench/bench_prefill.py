@@ -43,11 +43,9 @@ from common import (
     inproc_generate,
     log_records,
     machine_info,
-    median,
     mlx_device,
     note,
     ratio,
-    render_table,
     run_alternating,
     runner_info,
     verdict,
@@ -55,6 +53,7 @@ from common import (
     write_json,
 )
 from runner.builtin import ensure_builtin_model
+from supervisor.figures import median, render_table
 
 DEFAULT_OUT = RESULTS_DIR / "prefill.json"
 TARGET_RATIO = 1.1

@@ -42,15 +42,13 @@ from common import (
     Daemon,
     first_record,
     log_records,
-    log_time,
     machine_info,
-    median,
-    percentiles,
-    render_table,
     runner_info,
     write_json,
 )
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.logs import log_time
+from supervisor.daemon.process import DaemonProcess
+from supervisor.figures import median, percentiles, render_table
 
 DEFAULT_OUT = RESULTS_DIR / "recovery.json"
 STALL_S = 2.0

@@ -1,8 +1,10 @@
 """What the bench scripts share: a private daemon and its log, mlx_lm.server beside it,
-the order of two sides, percentiles, number formats and tables, machine info and the
-results file.
+the order of two sides, number formats, machine info and the results file.
 
 Each ``bench_*.py`` is one family of figures; a helper two of them need lives here.
+What the soak and fuzz runners print too lives in the package: percentiles and tables
+in ``supervisor.figures``, a log line's time in ``supervisor.daemon.logs.log_time``,
+RSS readers in ``supervisor.system``.
 """
 
 from __future__ import annotations
@@ -10,15 +12,13 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import math
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -31,7 +31,9 @@ import supervisor
 from ipc.messages import RunnerInfo
 from supervisor.client import Client
 from supervisor.config import SupervisorConfig
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.logs import log_time
+from supervisor.daemon.process import DaemonProcess
+from supervisor.system import stop_process
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -44,35 +46,6 @@ T = TypeVar("T")
 def note(message: str) -> None:
     """Progress, on stderr (stdout is for the table)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --- statistics ----------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between order statistics (numpy's default).
-
-    Raises:
-        ValueError: ``values`` is empty.
-    """
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of nothing")
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def percentiles(values: Sequence[float], qs: Iterable[int]) -> dict[str, float]:
-    """``{"p50": ..., "p99": ...}``: the percentile of ``values`` for each q in ``qs``."""
-    return {f"p{q}": percentile(values, q) for q in qs}
-
-
-def median(values: Iterable[float]) -> float:
-    """The median, as a float; NaN when there are no values."""
-    items = list(values)
-    return float(statistics.median(items)) if items else math.nan
 
 
 # --- two sides, in turn ----------------------------------------------------------
@@ -250,21 +223,10 @@ def mlx_lm_server(model_dir: Path, log_path: Path) -> Iterator[int]:
             time.sleep(0.1)
         yield port
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, term_wait_s=15)
 
 
-# --- the daemon's log ------------------------------------------------------------
-
-
-def log_time(record: dict[str, Any]) -> float:
-    """A log record's ``timestamp`` (UTC ISO 8601, microseconds, ``Z``) as epoch seconds."""
-    return datetime.fromisoformat(str(record["timestamp"]).replace("Z", "+00:00")).timestamp()
+# --- the daemon's log (a record's time: supervisor.daemon.logs.log_time) ----------
 
 
 def log_records(daemon: DaemonProcess, event: str, **match: Any) -> list[dict[str, Any]]:
@@ -328,7 +290,7 @@ def children_left() -> list[int]:
     return left
 
 
-# --- numbers and tables ----------------------------------------------------------
+# --- numbers (tables: supervisor.figures.render_table) ----------------------------
 
 
 def fmt(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
@@ -358,6 +320,11 @@ def mib(value: float | None) -> str:
     return fmt(value, ".0f", 1 / 2**20, " MiB")
 
 
+def quotient(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None when either is missing (or ``b`` is zero)."""
+    return None if a is None or not b else a / b
+
+
 def ratio(measured: float | None, anchor: float | None) -> str:
     """``measured / anchor`` as ``1.23x``; ``-`` when either is missing (or zero)."""
     return "-" if measured is None or not anchor else f"{measured / anchor:.2f}x"
@@ -366,18 +333,6 @@ def ratio(measured: float | None, anchor: float | None) -> str:
 def verdict(ok: bool | None) -> str:
     """The target column: PASS, FAIL, or ``-`` where nothing was checked."""
     return "-" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def render_table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell, a rule under the header (if there is one)."""
-    table = [*([header] if header is not None else []), *rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = [
-        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table
-    ]
-    if header is not None:
-        lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
-    return "\n".join(lines)
 
 
 # --- machine info and the results file -------------------------------------------
@@ -503,10 +458,7 @@ class Worker:
             if self.process.poll() is None:
                 with contextlib.suppress(OSError, RuntimeError, ValueError):
                     self.request("exit")
-                self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            stop_process(self.process, join_s=10, term_wait_s=None)
         finally:
             for stream in (self.process.stdin, self.process.stdout):
                 if stream is not None:

@@ -13,10 +13,13 @@ from typing import Any
 import psutil
 import pytest
 
-from runner.builtin import builtin_cache_dir, ensure_builtin_model
+from ipc.messages import FAULTS_ENV, RunnerInfo
+from modelfiles.builtin import builtin_cache_dir
+from runner.builtin import ensure_builtin_model
 from supervisor.client import Client
 from supervisor.config import HTTP_ENV
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.process import DaemonProcess
+from supervisor.system import stop_process
 
 REAP_TIMEOUT_S = 5.0
 # Read at import, before the fixtures point XDG_CACHE_HOME at the session's temporary cache:
@@ -72,10 +75,28 @@ def no_leftover_processes() -> Iterator[None]:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    _, alive = psutil.wait_procs(leftovers, timeout=REAP_TIMEOUT_S)
-    for proc in alive:
-        proc.kill()
-    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+    deadline = time.monotonic() + REAP_TIMEOUT_S  # for all of them: they end in parallel
+    alive = [
+        proc.pid
+        for proc in leftovers
+        if stop_process(proc, join_s=max(0.0, deadline - time.monotonic()), term_wait_s=None)
+        != "exited"
+    ]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def faults(spec: str) -> dict[str, str]:
+    """A load's ``env`` that makes its runner misbehave as ``spec`` says (runner.faults)."""
+    return {FAULTS_ENV: spec}
+
+
+def runner(client: Client, name: str) -> RunnerInfo:
+    """Model ``name``'s entry in the daemon's status; fails the test if it has none
+    (a test that expects a model gone checks the status's names itself)."""
+    runners = client.status().runners
+    found = next((r for r in runners if r.name == name), None)
+    assert found is not None, f"no model {name!r} in status: {[r.name for r in runners]}"
+    return found
 
 
 def write_config(path: Path, text: str) -> Path:

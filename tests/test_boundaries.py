@@ -18,9 +18,9 @@ import structlog
 from anyio.abc import SocketListener, SocketStream
 
 from supervisor.config import ModelConfig, SupervisorConfig
-from supervisor.daemon import serve_connections
-from supervisor.registry import ModelEntry, Registry
-from supervisor.restart import RestartIntensity, RestartTracker
+from supervisor.daemon.main import serve_connections
+from supervisor.registry.registry import ModelEntry, Registry
+from supervisor.registry.restart import RestartIntensity, RestartTracker
 
 
 @pytest.fixture

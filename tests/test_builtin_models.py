@@ -1,4 +1,5 @@
-"""Tests for the offline builtin models (src/runner/builtin.py)."""
+"""Tests for the offline builtin models (src/modelfiles/builtin.py, the recipes;
+src/runner/builtin.py, the writer)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ from typing import Any
 
 import pytest
 
-from runner import builtin
-from runner.builtin import (
+from modelfiles import builtin
+from modelfiles.builtin import (
     BUILTIN_NAMES,
     BUILTIN_PREFIX,
     builtin_cache_dir,
-    ensure_builtin_model,
     is_builtin,
 )
+from runner import builtin as builtin_writer
+from runner.builtin import ensure_builtin_model
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROUND_TRIP_TEXTS = [
@@ -254,7 +256,7 @@ def test_losing_the_rename_race_keeps_the_winner(tmp_path: Path) -> None:
     path = ensure_builtin_model("tiny", tmp_path)
     before = _files(path)
     spec = builtin._resolve("tiny")
-    builtin._build(spec, tmp_path, path)
+    builtin_writer._build(spec, tmp_path, path)
     assert _files(path) == before
     assert _tmp_entries(tmp_path) == []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ipc.messages import CauseClass, ExitAudit, ExitInfo
-from supervisor.memory.classify import classify_exit, ended_by_failed_step
+from supervisor.runners.exits import classify_exit, ended_by_failed_step
 
 LIBCXX_ABORT = "libc++abi: terminating due to uncaught exception of type std::runtime_error: "
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from conftest import DaemonFactory
 from ipc.messages import LoadProgress
-from supervisor.cli import ProgressPrinter
+from supervisor.cli.main import ProgressPrinter
 from supervisor.client import Client
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.process import DaemonProcess
 
 READ_TIMEOUT_S = 60.0
 

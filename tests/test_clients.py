@@ -1,15 +1,51 @@
-"""The async client, and the promise that the daemon side never imports mlx."""
+"""The two clients, which must offer the same commands with the same options,
+and the promise that the daemon side never imports mlx."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import anyio
 import pytest
 
-from supervisor.client import AsyncClient, Client, ClientError
-from supervisor.daemon_process import DaemonProcess
+from conftest import DaemonFactory, faults, runner
+from ipc.messages import LoadProgress
+from supervisor.client import AsyncClient, Client, ClientError, commands
+from supervisor.daemon.process import DaemonProcess
+
+
+def public_methods(cls: type) -> dict[str, inspect.Signature]:
+    """The signatures of ``cls``'s public methods, its constructor included."""
+    names = [n for n in dir(cls) if n == "__init__" or not n.startswith("_")]
+    return {n: inspect.signature(getattr(cls, n)) for n in names if callable(getattr(cls, n))}
+
+
+def test_both_clients_offer_the_same_methods_with_the_same_parameters() -> None:
+    blocking, aio = public_methods(Client), public_methods(AsyncClient)
+    assert blocking.keys() == aio.keys()
+    for name, signature in blocking.items():
+        # Names, kinds, defaults and annotations; only the return types differ.
+        assert signature.parameters == aio[name].parameters, name
+
+
+def test_every_command_is_a_method_of_both_clients_with_its_parameters() -> None:
+    built = {
+        name: inspect.signature(function)
+        for name, function in inspect.getmembers(commands, inspect.isfunction)
+        if function.__module__ == commands.__name__
+        and str(inspect.signature(function).return_annotation).startswith(
+            ("Call[", "GenerateRequest")
+        )
+    }
+    assert {"status", "load", "unload", "shutdown", "clear_cache", "generate"} <= built.keys()
+    for name, signature in built.items():
+        for cls in (Client, AsyncClient):
+            method = inspect.signature(getattr(cls(), name))  # bound: without self
+            assert method.parameters == signature.parameters, (cls.__name__, name)
+            assert getattr(cls, name).__doc__ == getattr(commands, name).__doc__
 
 
 def test_async_client_loads_generates_and_unloads(daemon: DaemonProcess) -> None:
@@ -41,7 +77,7 @@ def test_async_generate_abandoned_midway_leaves_runner_ready(daemon: DaemonProce
         stream = client.generate("tiny", "Hi", max_tokens=100_000)
         async for _ in stream:
             break
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         pieces = [p async for p in client.generate("tiny", "Hi", max_tokens=4)]
         assert 1 <= len(pieces) <= 4  # the first token alone, the rest maybe coalesced
         return "".join(pieces)
@@ -51,11 +87,64 @@ def test_async_generate_abandoned_midway_leaves_runner_ready(daemon: DaemonProce
     assert text == expected and done.generation_tokens == 4
 
 
+def test_async_load_takes_the_options_of_the_blocking_one(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    progress: list[LoadProgress] = []
+
+    async def main() -> tuple[str, str]:
+        client = AsyncClient(daemon.socket_path, timeout_s=60)
+        await client.load(
+            "builtin:tiny", max_concurrent=2, prefix_cache=False, on_progress=progress.append
+        )
+        with pytest.raises(ClientError) as excinfo:
+            await client.load("builtin:tiny", "pair", hostfile=str(tmp_path / "none.json"))
+        assert excinfo.value.code == "bad_request"
+        assert "cannot read hostfile" in excinfo.value.message
+        async with client.generate("tiny", "Hi", max_tokens=4) as gen:
+            text = "".join([piece async for piece in gen])
+        assert gen.done is not None and gen.done.generation_tokens == 4
+        assert gen.ttft_s is not None and gen.tokens == 4
+        again, _ = await client.generate_text("tiny", "Hi", max_tokens=4)
+        assert again == text
+        return text, (await client.clear_cache("tiny")).name
+
+    text, cleared = anyio.run(main)
+    assert progress and {p.name for p in progress} == {"tiny"}
+    info = runner(Client(daemon.socket_path), "tiny")
+    assert info.max_concurrent == 2 and info.prefix_cache is None
+    assert cleared == "tiny"
+    assert Client(daemon.socket_path).generate_text("tiny", "Hi", max_tokens=4)[0] == text
+
+
+def test_both_clients_give_up_on_a_silent_runner_after_timeout_s(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon("shutdown_grace_s = 0.5\n")  # the hung runner is unloaded quickly
+    Client(daemon.socket_path).load("builtin:tiny", env=faults("hang_at_token=3"))
+
+    async def main() -> str:
+        client = AsyncClient(daemon.socket_path, timeout_s=0.5)
+        with pytest.raises(ClientError) as excinfo:
+            async for _ in client.generate("tiny", "Hi", max_tokens=50):
+                pass
+        return excinfo.value.code
+
+    assert anyio.run(main) == "timeout"
+    blocking = Client(daemon.socket_path, timeout_s=0.5)
+    with pytest.raises(ClientError) as excinfo:
+        blocking.generate_text("tiny", "Hi", max_tokens=50)
+    assert excinfo.value.code == "timeout"
+    Client(daemon.socket_path).unload("tiny")  # the hung runner dies of SIGTERM
+
+
 def test_supervisor_side_never_imports_mlx() -> None:
     code = (
         "import sys\n"
-        "import supervisor.cli, supervisor.daemon, supervisor.registry, supervisor.control\n"
-        "import supervisor.client, supervisor.demo, supervisor.daemon_process, supervisor.service\n"
+        "import importlib, pkgutil, supervisor\n"
+        "for m in pkgutil.walk_packages(supervisor.__path__, 'supervisor.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'runner'))\n"
         "assert not bad, bad\n"
     )

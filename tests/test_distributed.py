@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,21 +17,17 @@ import msgspec
 import psutil
 import pytest
 
-from conftest import DaemonFactory, assert_reaped, wait_exited
-from ipc.messages import RunnerInfo
+from conftest import DaemonFactory, assert_reaped, faults, runner, wait_exited
 from supervisor.client import Client, ClientError
 from supervisor.config import ConfigError, ModelConfig, load_config
 from supervisor.memory.estimate import ALLOCATOR_SHARE_OF_WEIGHTS, Estimate
-from supervisor.runner_group import Place, free_ports, group_estimate, group_places, room_problem
+from supervisor.memory.ranks import group_estimate, room_problem
+from supervisor.runners.placement import Place, free_ports, group_places
 
 PROMPT = "Once upon a time"
 # No hot spare: a group does not use it, and every runner importing mlx costs CPU.
 FAST = "hot_spare = false\nrestart_backoff_s = 0.1\nrestart_backoff_cap_s = 0.4\n"
 LONG = 100_000  # tokens: a stream that is still going when a rank is killed
-
-
-def runner(client: Client, name: str) -> RunnerInfo:
-    return next(r for r in client.status().runners if r.name == name)
 
 
 def rank_pids(client: Client, name: str) -> list[int]:
@@ -62,10 +59,6 @@ def signal_mid_stream(client: Client, name: str, pid: int, signum: signal.Signal
 def ring_dirs(tmp: Path) -> list[str]:
     """The ring host files' directories (the daemon writes them) under ``tmp``."""
     return sorted(p.name for p in tmp.glob("mlx-supervisor-ring-*"))
-
-
-def faults(spec: str) -> dict[str, str]:
-    return {"MLX_SUPERVISOR_FAULTS": spec}
 
 
 FAKE_SSH = """#!/bin/sh
@@ -260,6 +253,16 @@ def test_a_group_is_estimated_as_its_ranks_hold_it() -> None:
 def test_free_ports_are_distinct_and_bindable() -> None:
     ports = free_ports(4)
     assert len(set(ports)) == 4 and all(1024 <= p < 65536 for p in ports)
+    # All four at once, as a group's ranks listen on them (no SO_REUSEADDR: a
+    # port free_ports still held, or one another process has, is refused).
+    listeners = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in ports]
+    try:
+        for sock, port in zip(listeners, ports, strict=True):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+    finally:
+        for sock in listeners:
+            sock.close()
 
 
 def test_a_rank_on_another_host_runs_through_ssh_and_answers_as_one_process_does(

@@ -21,7 +21,7 @@ from ipc.messages import PROTOCOL_VERSION, GenerationDone, Hello, ServerMessage,
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
 from supervisor.config import SupervisorConfig
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.process import DaemonProcess
 
 PROMPT = "The quick brown fox"
 

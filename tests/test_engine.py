@@ -28,16 +28,13 @@ from ipc.messages import (
     SamplingParams,
     TextChunk,
 )
-from runner.engine import (
-    ADMISSION_FIRST_S,
-    Engine,
-    _partial_stop,
-    build_prompt_tokens,
-    next_turn_prefix,
-)
+from runner.batch_admission import ADMISSION_FIRST_S, AdmissionTimer
+from runner.engine import Engine, build_prompt_tokens
 from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.loading import LoadedModel, load_model
+from runner.next_turn import next_turn_prefix
+from runner.stops import partial_stop
 
 PROMPTS = [
     "The supervisor restarts a runner that crashed",
@@ -333,7 +330,7 @@ def test_the_first_visible_text_goes_out_at_once_even_after_held_text(tiny: Load
 )  # fmt: skip
 def test_partial_stop_is_the_longest_end_that_begins_the_stop(text: str, stop: str,
                                                                held: int) -> None:  # fmt: skip
-    assert _partial_stop(text, stop) == held
+    assert partial_stop(text, stop) == held
 
 
 def test_a_request_cancelled_in_a_batch_ends_alone(tiny: LoadedModel) -> None:
@@ -458,9 +455,10 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     h.engine.pending[0].received = now = time.perf_counter()
     assert h.engine.admission_wait_s(now) == ADMISSION_FIRST_S  # nothing measured yet
     h.run()
-    rate = h.engine._prefill_tps
+    rate = h.engine.admission.prefill_tps
     assert rate is not None and rate > 0  # measured on that prefill
-    h.engine._prefill_tps = rate = 25.0  # as slow as a big model: a wait worth having
+    rate = 25.0  # as slow as a big model: a wait worth having
+    _measured(h, rate)
     h.submit("the same length of prompt, again: " * 4, max_tokens=2)
     h.engine.pending[0].received = time.perf_counter()  # (however slow this machine is now)
     now = h.engine.pending[0].received  # one clock for both readings, however slow the submit
@@ -483,15 +481,15 @@ def test_a_lone_request_waits_for_company_a_share_of_its_expected_prefill(
     ids = [batched.submit(f"request {i} comes with the others: " * 3, max_tokens=2) for i in (1, 2)]
     batched.run()
     assert all(batched.done(i).batched for i in ids)
-    assert batched.engine._prefill_tps is not None
+    assert batched.engine.admission.prefill_tps is not None
     # A model that cannot batch never waits.
     one = Harness(tiny, EngineSettings(max_concurrent=1, prefix_cache=False))
-    one.engine._prefill_tps = rate
+    _measured(one, rate)
     one.submit("alone: " * 8, max_tokens=2)
     assert one.engine.admission_wait_s() == 0.0
     # Nor one told not to.
     never = Harness(tiny, EngineSettings(prefix_cache=False, batch_wait_share=0.0))
-    never.engine._prefill_tps = rate
+    _measured(never, rate)
     never.submit("alone: " * 8, max_tokens=2)
     assert never.engine.admission_wait_s() == 0.0
 
@@ -547,7 +545,8 @@ def test_a_request_that_comes_in_goes_first_and_takes_what_was_prefilled(
     h.run()
     h.engine.pacer.rate_tps = 40.0  # a slow model: next-turn chunks of a few tokens
     h.engine.step()  # one chunk of the next turn
-    turn = h.engine.next_turns[0]
+    assert h.engine.next_turn is not None
+    turn = h.engine.next_turn.turns[0]
     assert turn.tokens is not None and 0 < turn.done < len(turn.tokens)
     partial = turn.done
     history += [ChatMessage("assistant", h.text(first)), ChatMessage("user", "More?")]
@@ -607,7 +606,7 @@ def test_the_first_wait_is_waited_once_even_when_no_prefill_was_long_enough_to_t
     h.engine.pending[0].received = now = time.perf_counter()
     assert h.engine.admission_wait_s(now) == ADMISSION_FIRST_S
     h.run()
-    assert h.engine._prefill_tps is None  # too short to time
+    assert h.engine.admission.prefill_tps is None  # too short to time
     h.submit("hi", max_tokens=1)
     h.engine.pending[0].received = time.perf_counter()
     assert h.engine.admission_wait_s() == 0.0
@@ -623,19 +622,38 @@ def _learn_burst(h: Harness, spread: float) -> None:
     # The second reached the runner before that start, but the main loop took
     # it off the queue after: just too late all the same.
     h.submit("came late", max_tokens=4, received=sent + spread)
-    assert h.engine._burst_s == pytest.approx(spread)
+    assert h.engine.admission.burst_s == pytest.approx(spread)
     h.run()
     assert h.done(first).finish_reason == "length"
 
 
 def _lone_wait(h: Harness, expected_s: float = 0.04, new: bool = True) -> float:
     """The admission wait of a lone request (``new``: submitted now, after
-    the one before it has run) expected to prefill in ``expected_s``."""
+    the one before it has run) expected to prefill in ``expected_s``, as the
+    engine's admission timer gives it with all it has learned. The timer is
+    asked directly: through the engine, the prefill expected would follow the
+    rate this machine measured."""
     if new:
         h.run()  # the one before starts, with nobody after it
         h.submit("a lone request", max_tokens=1, received=time.perf_counter())
-    h.engine._prefill_tps = len(h.engine.pending[0].prompt) / expected_s
-    return h.engine.admission_wait_s(h.engine.pending[0].received)
+    admission, received = h.engine.admission, h.engine.pending[0].received
+    rate = admission.prefill_tps
+    assert rate is not None
+    # The engine asks the timer the same question with the tokens it will compute.
+    engine_wait = h.engine.admission_wait_s(received)
+    to_compute = h.engine.pending[0].to_compute
+    assert to_compute is not None, "the engine did not ask the timer"
+    assert engine_wait == admission.wait_s(received, lambda: to_compute, received)
+    return admission.wait_s(received, lambda: expected_s * rate, received)
+
+
+def _measured(h: Harness, rate: float) -> None:
+    """Give ``h``'s engine a fresh admission timer (with its wait share)
+    that has measured one prefill, at ``rate`` tokens/s: a real prefill's
+    rate is this machine's, however slow or fast it is now."""
+    timer = AdmissionTimer(h.engine.admission.wait_share)
+    timer.record_prefill(100, 100 / rate)
+    h.engine.admission = timer
 
 
 def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
@@ -648,15 +666,15 @@ def test_a_request_just_too_late_for_its_company_teaches_the_next_start_to_wait(
     h = Harness(tiny, EngineSettings(prefix_cache=False))
     h.submit("a first prefill, to have a rate: " * 3, max_tokens=1)
     h.run()
-    assert h.engine._burst_s == 0.0
+    assert h.engine.admission.burst_s == 0.0
     _learn_burst(h, 0.006)
     assert _lone_wait(h) == pytest.approx(0.006)
     # never longer than the prefill it expects, which is all a latecomer would wait
     assert _lone_wait(h, 0.002, new=False) == pytest.approx(0.002)
     assert _lone_wait(h) == pytest.approx(0.003)
     assert _lone_wait(h) == pytest.approx(0.0015)
-    # and without the burst, 2% of the expected prefill, as before
-    h.engine._burst_s = 0.0
+    # and without the burst (a timer that learned none), 2% of the expected prefill, as before
+    _measured(h, 1000.0)
     assert _lone_wait(h, new=False) == pytest.approx(0.02 * 0.04)
 
 
@@ -675,7 +693,7 @@ def test_bursts_the_wait_caught_whole_keep_it_and_only_lone_starts_unlearn_it(
                for i in range(3)]  # fmt: skip
         h.run()
         assert all(h.done(i).batched for i in ids)
-        assert h.engine._burst_s == pytest.approx(0.006)
+        assert h.engine.admission.burst_s == pytest.approx(0.006)
     assert _lone_wait(h) == pytest.approx(0.006)  # not halved by the bursts
     h.run()
     assert _lone_wait(h) == pytest.approx(0.003)  # the lone start halved it
@@ -713,7 +731,7 @@ def test_starts_that_did_not_wait_for_company_teach_nothing(tiny: LoadedModel) -
     h.engine.step()
     h.submit("30 ms after the lone one, while the seeded one runs", max_tokens=2,
              received=lone + 0.03)  # fmt: skip
-    assert h.engine._burst_s == pytest.approx(0.003)  # the lone start's halving, no more
+    assert h.engine.admission.burst_s == pytest.approx(0.003)  # the lone start's halving, no more
     h.run()
 
 
@@ -722,16 +740,16 @@ def test_a_request_long_after_the_others_started_is_no_burst(tiny: LoadedModel) 
     h.submit("the first", max_tokens=40, received=time.perf_counter() - 0.06)
     h.engine.step()
     h.submit("60 ms later: another user", max_tokens=4)
-    assert h.engine._burst_s == 0.0
+    assert h.engine.admission.burst_s == 0.0
     h.run()
     # Nor is a request that cannot run, however soon it came.
     sent = time.perf_counter() - 0.010
     h.submit("the first", max_tokens=40, received=sent)
     h.engine.step()
     h.submit("", max_tokens=4, received=sent + 0.002)
-    assert h.engine._burst_s == 0.0
+    assert h.engine.admission.burst_s == 0.0
     h.submit("a valid one as soon after", max_tokens=4, received=sent + 0.003)
-    assert h.engine._burst_s == pytest.approx(0.003)
+    assert h.engine.admission.burst_s == pytest.approx(0.003)
     h.run()
 
 
@@ -742,7 +760,8 @@ def test_the_admission_wait_counts_only_what_the_prefix_cache_does_not_give(
     long = "The supervisor restarts runners that crash, and keeps their queues. " * 20
     h.submit(long, max_tokens=2)
     h.run()
-    rate = h.engine._prefill_tps = 10.0  # slow: the whole prompt would wait the 50 ms cap
+    rate = 10.0  # slow: the whole prompt would wait the 50 ms cap
+    _measured(h, rate)
     h.submit(long + "Then it answers.", max_tokens=2)
     job = h.engine.pending[0]
     job.received = time.perf_counter()

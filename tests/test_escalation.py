@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import DaemonFactory, assert_reaped
-from supervisor.cli import status_table
+from supervisor.cli.main import status_table
 from supervisor.client import Client, ClientError
 
 GRACES = "shutdown_grace_s = 0.5\nterm_grace_s = 0.5\n"

@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from modelfiles.gguf import default_weight_dtype
 from runner.builtin import ensure_builtin_model
-from runner.gguf_import import default_weight_dtype
 from supervisor.memory.baseline import RuntimeBaseline
 from supervisor.memory.estimate import (
     DEFAULT_CONTEXT_TOKENS,
@@ -30,7 +30,7 @@ from supervisor.memory.estimate import (
     render_estimate,
     with_runtime,
 )
-from supervisor.runner_group import group_estimate
+from supervisor.memory.ranks import group_estimate
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4}
 

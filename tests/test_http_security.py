@@ -15,9 +15,10 @@ import psutil
 
 from conftest import DaemonFactory
 from supervisor.client import Client
-from supervisor.config import HTTP_ENV
-from supervisor.daemon_process import DaemonProcess
-from supervisor.http_guard import AllowedHosts, host_name
+from supervisor.config import HTTP_ENV, SupervisorConfig, exposure_problem
+from supervisor.daemon.process import DaemonProcess
+from supervisor.fronts.http.guard import AllowedHosts, host_name
+from supervisor.netaddr import is_loopback
 from test_http import metric
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]
@@ -323,3 +324,19 @@ def test_allowed_hosts_by_listen_address() -> None:
     for name in ("192.0.2.77", "mybox.lan", "fd00::7", "localhost"):
         assert lan.allows(name), name
     assert not lan.allows("192.0.2.78") and not lan.allows("other.lan")
+
+
+def test_one_loopback_rule_for_the_listen_address_and_the_host_header() -> None:
+    """The config (may the front listen there without an api_key?) and the
+    guard (may a Host name us?) ask the same question, with one answer."""
+    loopback = ["localhost", "LocalHost", "127.0.0.1", "127.8.9.1", "::1", "::ffff:127.0.0.2"]
+    others = ["localhost.example", "127.0.0.1.nip.io", "0.0.0.0", "::", "::ffff:192.0.2.7",
+              "192.0.2.7", "mybox.lan"]  # fmt: skip
+    for host in loopback + others:
+        expected = host in loopback
+        bracketed = f"[{host}]" if ":" in host else host  # as Host and http_listen write it
+        assert is_loopback(host) is is_loopback(bracketed) is expected, host
+        assert AllowedHosts([]).allows(host_name(bracketed)) is expected, host
+        # A name other than localhost is not loopback, whatever it resolves to now.
+        listening = SupervisorConfig(http_listen=f"{bracketed}:0")
+        assert (exposure_problem(listening) is None) is expected, host

@@ -29,15 +29,14 @@ from anyio.abc import UNIXSocketStream
 from ipc import (
     DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
-    AsyncChannel,
     BlockingChannel,
     ChannelClosed,
     Codec,
-    FdStream,
     FrameSplitter,
     ProtocolError,
 )
 from ipc import messages as m
+from ipc.aio import AsyncChannel, FdStream
 
 UNIONS: dict[str, Any] = {
     "ClientMessage": m.ClientMessage,

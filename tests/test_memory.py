@@ -9,13 +9,13 @@ with the same estimator), so each test chooses the sizes that make its case.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from conftest import DaemonFactory
-from ipc.messages import FAULTS_ENV, RunnerInfo
+from conftest import DaemonFactory, faults, runner
 from supervisor.client import Client, ClientError
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.process import DaemonProcess
 from supervisor.memory.estimate import (
     RUNTIME_DEFAULT_BYTES,
     Estimate,
@@ -54,10 +54,6 @@ def memory_config(override_mb: int, extra: str = "") -> str:
         "hot_spare = false\n"
         "restart_backoff_s = 0.1\n" + extra
     )
-
-
-def runner(client: Client, name: str) -> RunnerInfo | None:
-    return next((r for r in client.status().runners if r.name == name), None)
 
 
 def events_for(daemon: DaemonProcess, event: str, model: str) -> list[dict[str, object]]:
@@ -108,7 +104,7 @@ def test_lru_idle_model_evicted_to_make_room_pinned_kept(start_daemon: DaemonFac
     assert "to make room for big" in str(evicting[0]["reason"])
     assert client.status().counters.get("evicted") == 1
     big = runner(client, "big")
-    assert big is not None and big.memory_budget_bytes is not None
+    assert big.memory_budget_bytes is not None
     # The daemon's estimate: this one's, with the runtime it measured (a's runner at its start).
     record = estimate_record(daemon, "big")
     assert record["overhead_source"] == "runner", record
@@ -156,7 +152,7 @@ def test_the_estimate_plans_the_warm_spares_measured_runtime(start_daemon: Daemo
     runtime = int(str(record["runtime_bytes"]))
     assert 0.8 * spare.rss_bytes <= runtime <= 1.25 * spare.rss_bytes, (runtime, spare)
     info = runner(client, "tiny")
-    assert info is not None and info.estimate_bytes == record["total_bytes"]
+    assert info.estimate_bytes == record["total_bytes"]
     # Granted: the estimate plus the model's own headroom, a share of it.
     headroom = int(str(record["headroom_bytes"]))
     assert 0 < headroom < int(str(record["total_bytes"])) // 4
@@ -178,7 +174,7 @@ def test_before_any_spare_the_first_runner_measures_the_runtime(
     assert second["overhead_source"] == "runner", second
     runtime = int(str(second["runtime_bytes"]))
     a = runner(client, "a")
-    assert a is not None and a.rss_bytes is not None
+    assert a.rss_bytes is not None
     # a's runner at its start, mlx imported: more than nothing, less than it holds loaded.
     assert 20 * MiB < runtime < a.rss_bytes, (runtime, a.rss_bytes)
 
@@ -226,8 +222,7 @@ def test_keep_alive_unloads_an_idle_model_but_not_a_pinned_one(
     client = Client(daemon.socket_path)
     client.load("builtin:tiny", "kept", keep_alive_s=0.5, pinned=True)
     client.load("builtin:tiny", "expiring", keep_alive_s=0.5)
-    info = runner(client, "expiring")
-    assert info is not None and info.keep_alive_s == 0.5
+    assert runner(client, "expiring").keep_alive_s == 0.5
     daemon.wait_until(lambda: bool(events_for(daemon, "model_unloaded", "expiring")), 30)
     reason = str(events_for(daemon, "model_unloaded", "expiring")[0]["reason"])
     assert reason.startswith("expired"), reason
@@ -237,13 +232,32 @@ def test_keep_alive_unloads_an_idle_model_but_not_a_pinned_one(
 
 
 def test_keep_alive_counts_from_the_end_of_the_last_request(start_daemon: DaemonFactory) -> None:
-    daemon = start_daemon("hot_spare = false\nkeep_alive_s = 1.5\n")
+    # Each request (a slow prefill) lasts longer than the keep-alive: counted
+    # from the load or from a request's start, the model would expire between
+    # two requests or as soon as the last one ended; counted from the end of
+    # the last one, it stays a whole keep-alive after it.
+    keep_alive_s = 1.0
+    daemon = start_daemon("hot_spare = false\n")
     client = Client(daemon.socket_path)
-    client.load("builtin:tiny")
-    for _ in range(3):  # in use for longer than its keep-alive, never idle that long
-        client.generate_text("tiny", PROMPT, max_tokens=60)
-    assert runner(client, "tiny") is not None
+    client.load("builtin:tiny", keep_alive_s=keep_alive_s, prefix_cache=False,
+                env=faults("slow_prefill=0.015"))  # fmt: skip
+    ended = 0.0
+    for i in range(3):
+        started = time.monotonic()
+        _, done = client.generate_text("tiny", f"{i}: {PROMPT * 12}", max_tokens=2)
+        ended = time.monotonic()
+        assert ended - started > 1.2 * keep_alive_s, (ended - started, done)
+
+    def unloading() -> bool:
+        return all(r.state == "stopping" for r in client.status().runners if r.name == "tiny")
+
+    daemon.wait_until(unloading, 30)
+    idle_s = time.monotonic() - ended
+    assert idle_s >= 0.7 * keep_alive_s, f"unloaded {idle_s:.2f}s after the last request ended"
     daemon.wait_until(lambda: bool(events_for(daemon, "model_unloaded", "tiny")), 30)
+    reason = str(events_for(daemon, "model_unloaded", "tiny")[0]["reason"])
+    assert reason.startswith("expired"), reason
+    assert client.status().counters.get("expired") == 1
 
 
 def test_memory_gate_waits_for_an_unloaded_runner_before_the_next_spawn(
@@ -253,9 +267,7 @@ def test_memory_gate_waits_for_an_unloaded_runner_before_the_next_spawn(
     client = Client(daemon.socket_path)
     client.load("builtin:tiny", "first")
     client.generate_text("first", PROMPT, max_tokens=4)
-    daemon.wait_until(lambda: (runner(client, "first") or RunnerInfo("", "", None, "ready",
-                                                                    None, None, 0, None)
-                               ).rss_bytes is not None)  # fmt: skip
+    daemon.wait_until(lambda: runner(client, "first").rss_bytes is not None)
     client.unload("first")
     client.load("builtin:tiny", "second")
     gates = daemon.events("memory_gate_passed")
@@ -280,9 +292,8 @@ def test_load_guard_stops_a_load_that_eats_the_machine_without_a_restart_loop(
                                              f"memory_guard_bytes = {guard}")  # fmt: skip
     daemon = start_daemon(config)
     client = Client(daemon.socket_path)
-    hog = {FAULTS_ENV: f"hog_at_load={small // MiB}"}
     with pytest.raises(ClientError) as failed:
-        client.load("builtin:small", context_tokens=256, env=hog)
+        client.load("builtin:small", context_tokens=256, env=faults(f"hog_at_load={small // MiB}"))
     assert failed.value.code == "load_failed"
     assert "memory guard" in failed.value.message and "layer" in failed.value.message
     assert len(daemon.events("runner_spawned")) == 1
@@ -314,15 +325,15 @@ def test_generation_guard_ends_a_runaway_request_and_the_runner_stays_up(
     daemon = start_daemon(memory_config(4096))
     client = Client(daemon.socket_path)
     hog_mb = 2 * tiny // MiB + 64  # far over its budget (its estimate)
-    client.load("builtin:tiny", env={FAULTS_ENV: f"hog_at_token=20:{hog_mb}"})
+    client.load("builtin:tiny", env=faults(f"hog_at_token=20:{hog_mb}"))
     before = runner(client, "tiny")
-    assert before is not None and before.memory_budget_bytes == tiny
+    assert before.memory_budget_bytes == tiny
     _, done = client.generate_text("tiny", PROMPT, max_tokens=200)
     assert done.finish_reason == "memory_pressure", done
     assert done.detail and "budget" in done.detail, done.detail
     assert 20 <= done.generation_tokens < 200
     after = runner(client, "tiny")
-    assert after is not None and after.pid == before.pid and after.state == "ready"
+    assert after.pid == before.pid and after.state == "ready"
     _, again = client.generate_text("tiny", PROMPT, max_tokens=8)  # the hog is gone with it
     assert again.finish_reason == "length"
 
@@ -348,18 +359,18 @@ def test_restart_after_a_death_goes_through_admission_and_fails_when_full(
         memory_config(total_mb).replace("restart_backoff_s = 0.1", "restart_backoff_s = 4.0")
     )
     client = Client(daemon.socket_path)
-    client.load("builtin:tiny", "victim", env={FAULTS_ENV: "crash_at_token=2:SIGSEGV"})
+    client.load("builtin:tiny", "victim", env=faults("crash_at_token=2:SIGSEGV"))
     for _ in range(2):  # the first restart is at once; the second waits out the backoff
         with pytest.raises(ClientError):
             client.generate_text("victim", PROMPT, max_tokens=8)
     info = runner(client, "victim")
-    assert info is not None and info.last_exit is not None
+    assert info.last_exit is not None
     assert info.last_exit.cause_class == "segfault", info.last_exit
     # While it waits out its backoff, a pinned model takes what it would need.
     client.load("builtin:small", "hog", pinned=True, context_tokens=context)
-    daemon.wait_until(lambda: (runner(client, "victim") or info).state == "failed", 60)
+    daemon.wait_until(lambda: runner(client, "victim").state == "failed", 60)
     failed = runner(client, "victim")
-    assert failed is not None and failed.failure is not None
+    assert failed.failure is not None
     assert "insufficient memory" in failed.failure, failed.failure
     assert len(events_for(daemon, "runner_spawned", "victim")) == 2
 
@@ -368,9 +379,7 @@ def test_status_shows_the_memory_picture(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon(memory_config(8192, "ping_timeout_s = 1.0\n"))
     client = Client(daemon.socket_path)
     client.load("builtin:tiny")
-    daemon.wait_until(lambda: (runner(client, "tiny") or RunnerInfo("", "", None, "ready", None,
-                                                                    None, 0, None)
-                               ).mlx_active_bytes is not None)  # fmt: skip
+    daemon.wait_until(lambda: runner(client, "tiny").mlx_active_bytes is not None)
     status = client.status()
     system = status.system
     assert system.memory_total_bytes == 8192 * MiB

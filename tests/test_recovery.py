@@ -15,22 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import DaemonFactory, assert_reaped
-from ipc.messages import RunnerInfo
+from conftest import DaemonFactory, assert_reaped, faults, runner
 from supervisor.client import Client, ClientError
-from supervisor.daemon_process import DaemonProcess
-from supervisor.state import DaemonState, RunnerRecord, StateFile, state_path
+from supervisor.daemon.process import DaemonProcess
+from supervisor.daemon.state import DaemonState, RunnerRecord, StateFile, state_path
 
 PROMPT = "Once upon a time"
 FAST = "restart_backoff_s = 0.1\nrestart_backoff_cap_s = 0.4\n"
-
-
-def faults(spec: str) -> dict[str, str]:
-    return {"MLX_SUPERVISOR_FAULTS": spec}
-
-
-def runner(client: Client, name: str) -> RunnerInfo:
-    return next(r for r in client.status().runners if r.name == name)
 
 
 def wait_for_state(client: Client, name: str, states: set[str], daemon: DaemonProcess) -> None:
@@ -84,6 +75,25 @@ def test_runner_crashing_mid_generation_names_the_signal(
     info = runner(client, "tiny")
     assert info.last_exit is not None and info.last_exit.signal == signame
     assert info.last_exit.stderr_tail, "the last stderr lines are kept"
+
+
+def test_a_refused_load_leaves_a_crashed_model_as_it_was(
+    start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """A load that its spec's check refuses (here a hostfile that cannot be read) changes
+    nothing: the crashed model it would have replaced keeps its state and its last exit."""
+    daemon = start_daemon(FAST)
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny", restart="never", env=faults("crash_at_token=1:SIGKILL"))
+    with pytest.raises(ClientError):
+        client.generate_text("tiny", PROMPT, max_tokens=5)
+    daemon.wait_until(lambda: runner(client, "tiny").state == "crashed")
+    with pytest.raises(ClientError) as excinfo:
+        client.load("builtin:tiny", "tiny", ranks=2, hostfile=str(tmp_path / "missing.json"))
+    assert excinfo.value.code == "bad_request" and "hostfile" in excinfo.value.message
+    info = runner(client, "tiny")
+    assert info.state == "crashed"
+    assert info.last_exit is not None and info.last_exit.signal == "SIGKILL"
 
 
 def test_restart_budget_spent_leaves_model_failed_until_explicit_load(

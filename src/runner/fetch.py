@@ -19,7 +19,7 @@ import time
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from runner.model_cache import ProgressCallback
+from modelfiles.cache import ProgressCallback
 
 __all__ = [
     "PIP_TIMEOUT_S",

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from runner.model_cache import cache_root
+from modelfiles.cache import cache_root
 
 log = structlog.get_logger("runner.import_cache")
 

@@ -11,10 +11,11 @@ import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_flatten
 
-from runner.builtin import ensure_builtin_model, is_builtin
+from modelfiles.builtin import is_builtin
+from modelfiles.cache import ProgressCallback
+from runner.builtin import ensure_builtin_model
 from runner.gguf_import import ensure_gguf_model_dir
 from runner.guard import MemoryGuard
-from runner.model_cache import ProgressCallback
 
 # What mlx-lm fetches for a model from the Hugging Face Hub, less its ``*.py``:
 # weights, config and tokenizer files only; remote code never runs here.

@@ -15,6 +15,8 @@ from typing import Any
 import anyio
 import structlog
 
+from supervisor.waiting import Backoff
+
 log = structlog.get_logger("supervisor.boundary")
 
 RETRY_FIRST_S = 0.1
@@ -24,9 +26,12 @@ from RETRY_FIRST_S up to this: a bug that recurs never spins the CPU, and a
 passing one costs a tenth of a second."""
 
 
+RETRY_BACKOFF = Backoff(RETRY_FIRST_S, RETRY_CAP_S)
+
+
 def retry_delay_s(failures: int) -> float:
     """The pause before the next try after ``failures`` in a row (from 1)."""
-    return min(RETRY_CAP_S, RETRY_FIRST_S * 2.0 ** min(failures - 1, 30))
+    return RETRY_BACKOFF.delay_s(failures)
 
 
 async def keep_running(name: str, task: Callable[[], Awaitable[None]]) -> None:

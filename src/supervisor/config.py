@@ -15,7 +15,9 @@ from msgspec import Meta
 
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES
 from ipc.messages import RestartStrategy
-from supervisor.security import env_problem, model_name_problem
+from supervisor.netaddr import is_loopback
+from supervisor.runners.placement import group_places
+from supervisor.security import env_problem, model_name_problem, model_reference_problem
 
 # Ranges checked when the config is decoded; an error names the key and the range.
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
@@ -76,24 +78,13 @@ def parse_listen(value: str) -> tuple[str, int] | None:
     return host, int(port_text)
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` is a loopback address (``localhost`` counts; other
-    names do not: what they resolve to can change)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def exposure_problem(config: SupervisorConfig) -> str | None:
     """Why ``config`` would let anyone who reaches the HTTP front use it, or
     None: beyond loopback the front needs an ``api_key`` (whoever reaches it
     could run generations and load models, any model path with
     ``load_on_demand = "any"``)."""
     listen = parse_listen(config.http_listen)
-    if config.api_key is not None or listen is None or is_loopback_host(listen[0]):
+    if config.api_key is not None or listen is None or is_loopback(listen[0]):
         return None
     reach = "load any model path on this machine" if config.load_on_demand == "any" else (
         "run generations and load models"
@@ -129,6 +120,28 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the others through ssh_command.
     hostfile: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     distributed_backend: Literal["ring"] = "ring"
+
+
+def spec_problem(spec: ModelConfig, *, places: bool = True) -> str | None:
+    """Why ``spec`` may not be supervised, or None: a bad name, model reference
+    or runner environment (see ``supervisor.security``), or (``places``) a
+    hostfile that cannot place its ranks. The one check of a model's spec,
+    wherever it comes from: the config file, a load request, a load on demand,
+    the state file."""
+    problem = (
+        model_name_problem(spec.name)
+        or model_reference_problem(spec.model)
+        or env_problem(spec.env)
+    )
+    if problem:
+        return problem
+    if not places:
+        return None
+    try:
+        group_places(spec)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -266,16 +279,10 @@ def load_config(path: Path | None) -> SupervisorConfig:
         config = msgspec.toml.decode(data, type=SupervisorConfig)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"invalid config {path}: {exc}") from exc
-    from supervisor.runner_group import group_places  # (it needs this module)
-
     for model in config.models:
-        problem = model_name_problem(model.name) or env_problem(model.env)
+        problem = spec_problem(model)
         if problem:
             raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {problem}")
-        try:
-            group_places(model)
-        except ValueError as exc:
-            raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {exc}") from None
     names = [m.name for m in config.models]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

@@ -1,9 +1,11 @@
 """Waiting on several things at once: the first of some events, a wait that
-a cancel event cuts short, work with a watcher beside it."""
+a cancel event cuts short, work with a watcher beside it; and how long to
+wait before a retry."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -11,16 +13,23 @@ import anyio
 T = TypeVar("T")
 
 
-async def first_of(*events: anyio.Event) -> None:
-    """Return as soon as any of ``events`` is set."""
+async def first_of(*events: anyio.Event) -> int:
+    """Return as soon as any of ``events`` is set: the index of the one whose
+    waiter woke first (of several set at once, the first set)."""
+    first: int | None = None
     async with anyio.create_task_group() as tg:
 
-        async def wait(event: anyio.Event) -> None:
+        async def wait(index: int, event: anyio.Event) -> None:
+            nonlocal first
             await event.wait()
+            if first is None:
+                first = index
             tg.cancel_scope.cancel()
 
-        for event in events:
-            tg.start_soon(wait, event)
+        for index, event in enumerate(events):
+            tg.start_soon(wait, index, event)
+    assert first is not None
+    return first
 
 
 async def wait_unless(cancel: anyio.Event, wait: Callable[[], Awaitable[None]]) -> None:
@@ -55,3 +64,17 @@ async def beside(
     if failure is not None:
         raise failure
     return result[0]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The wait before a retry: ``base_s``, doubling with each retry in a
+    row, never more than ``cap_s`` (restarts, the hot spare's retries)."""
+
+    base_s: float
+    cap_s: float
+
+    def delay_s(self, retry: int) -> float:
+        """The wait before retry number ``retry`` in a row (1: the first)."""
+        doubling = 2.0 ** min(retry - 1, 30)  # capped: a float overflows past 2**1024
+        return min(self.cap_s, self.base_s * doubling)

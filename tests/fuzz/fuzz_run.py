@@ -75,9 +75,11 @@ from ipc.messages import (
 )
 from runner.main import EXIT_LOAD_FAILED, EXIT_ORPHANED, EXIT_PROTOCOL
 from supervisor.client import Client, ClientError
-from supervisor.daemon_process import DaemonProcess
-from supervisor.registry import derive_name
+from supervisor.daemon.process import DaemonProcess
+from supervisor.figures import render_table
+from supervisor.registry.registry import derive_name
 from supervisor.security import env_problem, model_name_problem
+from supervisor.system import process_rss
 
 FRAME_LIMIT = 65536  # the fuzzed daemon's max_frame_bytes: big strings stay cheap
 MODEL = "tiny"  # the model the daemon serves throughout
@@ -924,7 +926,9 @@ class DaemonFuzz:
             code = None
         if code is None:
             return False
-        time.sleep(0.2)  # the log reader catches up
+        # It has exited: wait() reaps it and joins the log reader, which ends at
+        # the log's last line (what the daemon wrote as it died, in the tail below).
+        self.daemon.wait(QUIET_BOUND_S)
         tail = " | ".join(line[-300:] for line in list(self.daemon.log_lines)[-4:])
         self.result.find("daemon died", kind, index, f"exit {code}; log: {tail}", sent)
         self.close_idle()
@@ -1062,6 +1066,7 @@ class DaemonFuzz:
 
         Raises:
             TimeoutError: not quiet within QUIET_BOUND_S.
+            RuntimeError: the daemon is gone.
         """
         assert self.daemon is not None and self.client is not None
         deadline = time.monotonic() + QUIET_BOUND_S
@@ -1086,7 +1091,10 @@ class DaemonFuzz:
                 break
             time.sleep(0.05)
             fds, previous = process.num_fds(), fds
-        return fds, process.memory_info().rss
+        rss = process_rss(process.pid)
+        if rss is None:
+            raise RuntimeError(f"the daemon (pid {process.pid}) is gone")
+        return fds, rss
 
     def check_growth(self) -> None:
         """fds back at the start; RSS within RSS_GROWTH_BOUND of its value
@@ -1475,30 +1483,31 @@ def run_fuzz(cases: int, seed: int, runner_share: float = 0.1) -> FuzzResult:
 def report(result: FuzzResult) -> str:
     """Cases by kind, findings by class, checks, and the first findings."""
     total = sum(result.cases.values())
+    found = Counter(f.what for f in result.findings)
+    checks = [(name, "PASS" if ok else "FAIL", detail)
+              for name, (ok, detail) in result.checks.items()]  # fmt: skip
+    quiet = result.quiet
+    if quiet:
+        checks.append((
+            "daemon quiet states (fds, RSS)", "-",
+            f"first {quiet[0][1]}, {quiet[0][2] / 2**20:.1f} MiB; "
+            f"last {quiet[-1][1]}, {quiet[-1][2] / 2**20:.1f} MiB",
+        ))  # fmt: skip
     lines = [
         f"fuzz: {total} cases (seed {result.seed}) in {result.wall_s:.1f} s; "
         f"{result.daemon_starts} daemon start(s), {result.runner_processes} runner processes, "
         f"{result.batches} health-checked batches",
         "",
-        "cases by kind | count",
-        "--- | ---",
-        *(f"{kind} | {count}" for kind, count in sorted(result.cases.items())),
+        render_table(("cases by kind", "count"),
+                     [(kind, str(count)) for kind, count in sorted(result.cases.items())],
+                     markdown=True),
         "",
-        "finding | count",
-        "--- | ---",
-    ]
-    found = Counter(f.what for f in result.findings)
-    lines += [f"{what} | {found[what]}" for what in FINDINGS]
-    lines += ["", "check | result | detail", "--- | --- | ---"]
-    for name, (ok, detail) in result.checks.items():
-        lines.append(f"{name} | {'PASS' if ok else 'FAIL'} | {detail}")
-    quiet = result.quiet
-    if quiet:
-        lines.append(
-            f"daemon quiet states (fds, RSS) | - | first {quiet[0][1]}, "
-            f"{quiet[0][2] / 2**20:.1f} MiB; last {quiet[-1][1]}, {quiet[-1][2] / 2**20:.1f} MiB"
-        )
-    lines.append("")
+        render_table(("finding", "count"), [(what, str(found[what])) for what in FINDINGS],
+                     markdown=True),
+        "",
+        render_table(("check", "result", "detail"), checks, markdown=True),
+        "",
+    ]  # fmt: skip
     if result.answers:
         lines.append(f"daemon answers: {tally(result.answers)}")
     if result.runner_outcomes:

@@ -1,7 +1,7 @@
 """Crash-recovery soak: runners killed at random under load; nothing may hang,
 leak or get lost.
 
-Run it as a test (``tests/soak/test_soak.py``, about 60 s in CI) or alone:
+Run it as a test (``tests/soak/test_soak.py``, 15 s of chaos, about 40 s in all) or alone:
 ``python tests/soak/soak_run.py --duration 600 [--out soak.json]``.
 
 A private daemon serves several ``builtin:tiny`` models. Client threads stream
@@ -30,14 +30,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from supervisor.client import Client, ClientError
-from supervisor.daemon_process import DaemonProcess
+from supervisor.daemon.logs import log_time
+from supervisor.daemon.process import DaemonProcess
+from supervisor.figures import percentile, render_table
+from supervisor.system import process_rss
 
 MODELS = ["m0", "m1", "m2"]
 HANGY = "hangy"
@@ -54,6 +56,11 @@ CAUSED_ERRORS = {"runner_died", "not_ready", "unknown_model", "already_loaded", 
 # A request may wait (queue, load, restart, a frozen runner found and killed) this
 # long in all, besides the time its tokens took to stream.
 WAIT_BOUND_S = 30.0
+# The monitor samples the daemon's fds, RSS and zombie children this often: enough
+# samples for the RSS check in a short run too (the test's, 15 s: 30 samples).
+SAMPLE_S = 0.5
+RSS_WINDOW_S = 5.0  # the stretch of samples whose median RSS is compared
+ZOMBIE_BOUND_S = 1.0  # a child dead and unreaped this long was never reaped
 
 CONFIG = """
 restart_backoff_s = 0.2
@@ -142,23 +149,11 @@ class SoakResult:
     invariants: dict[str, tuple[bool, str]] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # t, fds, rss
-    lingering_zombies: set[int] = field(default_factory=set)  # zombies in 2 samples running
+    lingering_zombies: set[int] = field(default_factory=set)  # unreaped for ZOMBIE_BOUND_S
 
     @property
     def passed(self) -> bool:
         return all(ok for ok, _ in self.invariants.values())
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def log_time(record: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(record["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 class Soak:
@@ -288,8 +283,8 @@ class Soak:
         assert self.daemon is not None and self.client is not None
         daemon = psutil.Process(self.daemon.pid)
         started = time.monotonic()
-        previous_zombies: set[int] = set()
-        while not self.stop.wait(1.0):  # one sample a second
+        zombie_since: dict[int, float] = {}  # pid -> first seen a zombie
+        while not self.stop.wait(SAMPLE_S):
             try:
                 children = daemon.children()
                 zombies = set()
@@ -299,15 +294,19 @@ class Soak:
                             zombies.add(child.pid)
                     except psutil.NoSuchProcess:
                         pass
+                rss = process_rss(daemon.pid)
+                if rss is None:  # the daemon is gone
+                    return
+                now = time.monotonic()
+                zombie_since = {pid: zombie_since.get(pid, now) for pid in zombies}
                 with self.lock:
                     self.seen_pids.update(c.pid for c in children)
                     # A zombie for an instant is a death not yet reaped; one that is
-                    # still there a second later was never reaped.
-                    self.result.lingering_zombies |= zombies & previous_zombies
-                    self.result.samples.append(
-                        (time.monotonic() - started, daemon.num_fds(), daemon.memory_info().rss)
-                    )
-                previous_zombies = zombies
+                    # still there ZOMBIE_BOUND_S later was never reaped.
+                    self.result.lingering_zombies |= {
+                        pid for pid, since in zombie_since.items() if now - since >= ZOMBIE_BOUND_S
+                    }
+                    self.result.samples.append((now - started, daemon.num_fds(), rss))
             except psutil.NoSuchProcess:
                 return
 
@@ -372,7 +371,7 @@ class Soak:
             self.measure_latencies(inv)
             self.check_growth(inv)
             lingering = sorted(self.result.lingering_zombies)
-            inv["zero zombies (none left unreaped for 1 s)"] = (
+            inv[f"zero zombies (none left unreaped for {ZOMBIE_BOUND_S:g} s)"] = (
                 not lingering,
                 f"pids: {lingering}" if lingering else "",
             )
@@ -510,9 +509,11 @@ class Soak:
         if len(samples) < 6:
             inv["fd count and RSS flat after warm-up"] = (fds_after <= fds_before, "short run")
             return
-        warm = samples[len(samples) // 4 : len(samples) // 4 + 5]
+        # Windows of about RSS_WINDOW_S each (at least 5 samples; a quarter of a short run).
+        window = max(5, min(round(RSS_WINDOW_S / SAMPLE_S), len(samples) // 4))
+        warm = samples[len(samples) // 4 : len(samples) // 4 + window]
         rss_before = statistics.median(s[2] for s in warm)
-        rss_after = statistics.median(s[2] for s in samples[-5:])
+        rss_after = statistics.median(s[2] for s in samples[-window:])
         ok = fds_after <= fds_before and rss_after <= rss_before * 1.05
         detail = (f"quiet fds {fds_before} -> {fds_after}, "
                   f"rss {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB")  # fmt: skip
@@ -524,43 +525,41 @@ def tally(counts: Counter[str] | dict[str, int]) -> str:
 
 
 def report(result: SoakResult) -> str:
-    """The invariants and figures as markdown tables."""
-    lines = [
-        f"soak: {result.duration_s:.0f} s",
-        "",
-        "invariant | result | detail",
-        "--- | --- | ---",
+    """The invariants and figures as markdown tables (p50, p99: ``percentile``, linear)."""
+    invariants = [
+        (name, "PASS" if ok else "FAIL", detail) for name, (ok, detail) in result.invariants.items()
     ]
-    for name, (ok, detail) in result.invariants.items():
-        lines.append(f"{name} | {'PASS' if ok else 'FAIL'} | {detail}")
     det, rec = result.detection_ms, result.recovery_ms
     fk, fr = result.freeze_killed_ms, result.freeze_ready_ms
     waits = [t.waited_s() for t in result.timings]
     counters = result.counters
-    lines += [
+    counts = [
+        ("kills", f"{len(result.kills)} ({tally(Counter(k.signal for k in result.kills))})"),
+        ("kills by runner state", tally(Counter(k.state for k in result.kills))),
+        ("restarts", f"{counters.get('restarts', 0)}"),
+        ("retried requests", f"{counters.get('requests_retried', 0)}"),
+        ("models failed (budget spent)", f"{counters.get('failed', 0)}"),
+        ("requests", tally(result.requests)),
+        ("errors (all naming a cause)", tally(result.errors)),
+        (f"detection kill->noticed ({'/'.join(sorted(IMMEDIATE))})",
+         f"p50 {percentile(det, 50):.1f} ms, p99 {percentile(det, 99):.1f} ms (n={len(det)})"),
+        (f"recovery kill->ready (all but {FREEZE})",
+         f"p50 {percentile(rec, 50):.0f} ms, p99 {percentile(rec, 99):.0f} ms (n={len(rec)})"),
+        (f"freeze ({FREEZE}) -> killed",
+         f"p50 {percentile(fk, 50):.0f} ms, p99 {percentile(fk, 99):.0f} ms (n={len(fk)})"),
+        (f"freeze ({FREEZE}) -> ready",
+         f"p50 {percentile(fr, 50):.0f} ms, p99 {percentile(fr, 99):.0f} ms (n={len(fr)})"),
+        ("request wait (all minus generation time)",
+         f"p50 {percentile(waits, 50) * 1000:.0f} ms, p99 {percentile(waits, 99) * 1000:.0f} ms, "
+         f"max {max(waits, default=0) * 1000:.0f} ms (n={len(waits)}, bound {WAIT_BOUND_S:g} s)"),
+    ]  # fmt: skip
+    return "\n".join([
+        f"soak: {result.duration_s:.0f} s",
         "",
-        "count | value",
-        "--- | ---",
-        f"kills | {len(result.kills)} ({tally(Counter(k.signal for k in result.kills))})",
-        f"kills by runner state | {tally(Counter(k.state for k in result.kills))}",
-        f"restarts | {counters.get('restarts', 0)}",
-        f"retried requests | {counters.get('requests_retried', 0)}",
-        f"models failed (budget spent) | {counters.get('failed', 0)}",
-        f"requests | {tally(result.requests)}",
-        f"errors (all naming a cause) | {tally(result.errors)}",
-        f"detection kill->noticed ({'/'.join(sorted(IMMEDIATE))}) | "
-        f"p50 {percentile(det, 50):.1f} ms, p99 {percentile(det, 99):.1f} ms (n={len(det)})",
-        f"recovery kill->ready (all but {FREEZE}) | "
-        f"p50 {percentile(rec, 50):.0f} ms, p99 {percentile(rec, 99):.0f} ms (n={len(rec)})",
-        f"freeze ({FREEZE}) -> killed | "
-        f"p50 {percentile(fk, 50):.0f} ms, p99 {percentile(fk, 99):.0f} ms (n={len(fk)})",
-        f"freeze ({FREEZE}) -> ready | "
-        f"p50 {percentile(fr, 50):.0f} ms, p99 {percentile(fr, 99):.0f} ms (n={len(fr)})",
-        f"request wait (all minus generation time) | "
-        f"p50 {percentile(waits, 50) * 1000:.0f} ms, p99 {percentile(waits, 99) * 1000:.0f} ms, "
-        f"max {max(waits, default=0) * 1000:.0f} ms (n={len(waits)}, bound {WAIT_BOUND_S:g} s)",
-    ]
-    return "\n".join(lines)
+        render_table(("invariant", "result", "detail"), invariants, markdown=True),
+        "",
+        render_table(("count", "value"), counts, markdown=True),
+    ])  # fmt: skip
 
 
 def to_json(result: SoakResult) -> dict[str, Any]:

@@ -1,1 +1,2 @@
-"""Memory safety, the supervisor's half: monitor, estimator, admission, death classes."""
+"""Memory safety, the supervisor's half: the monitor, the estimate, the measured runtime,
+admission, and what the ranks of a group hold."""

@@ -10,7 +10,8 @@ Admission plans the total plus ``headroom_bytes``, a share of the model's own pa
 A GGUF file is estimated as the runner will load it, converted and dequantized (see
 ``runner.gguf_import``): from its conversion when there is one, else from its header. The
 tensor data itself is never read, and mlx, mlx_lm, numpy and gguf-py are never imported: this
-runs inside the daemon.
+runs inside the daemon. The file readers (safetensors and GGUF headers, builtin recipes, cache
+paths) are :mod:`modelfiles`'s, which the runner shares; this module keeps the arithmetic.
 """
 
 from __future__ import annotations
@@ -18,15 +19,19 @@ from __future__ import annotations
 import errno
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from modelfiles.builtin import (
+    BUILTIN_PREFIX,
+    built_builtin_model_dir,
+    builtin_config_and_weight_bytes,
+)
+from modelfiles.gguf import built_gguf_model_dir, gguf_config_and_weight_bytes
+from modelfiles.safetensors import safetensors_tensor_bytes
 from supervisor.units import format_bytes
-
-BUILTIN_PREFIX = "builtin:"  # as runner.builtin says; the daemon imports it only for builtins
 
 __all__ = [
     "DEFAULT_CONTEXT_TOKENS",
@@ -87,10 +92,6 @@ HEADROOM_SHARE = 0.10
 # 2.5 GB there and 0.75 GB for the 11B (6 GB).
 VISION_BASE_BYTES = 512 * MiB
 VISION_SHARE_OF_WEIGHTS = 0.04
-# The safetensors reference implementation refuses headers above 100 MB; so do we, so that a
-# garbage length cannot make the daemon allocate gigabytes.
-SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
-
 _BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Name components of vision-tower tensors across the common multimodal checkpoints
 # (LLaVA, Pixtral, Llama 3.2 Vision, Qwen2-VL, Gemma 3, Idefics, ...).
@@ -256,52 +257,6 @@ def _read_config(directory: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _safetensors_tensor_bytes(path: Path) -> dict[str, int]:
-    """Tensor name -> byte size, from the file's header only (the data is never read).
-
-    Raises:
-        ValueError: the header is truncated, too long, not JSON, or lacks data_offsets.
-        OSError: the file cannot be read.
-    """
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        length = int.from_bytes(prefix, "little")
-        size = os.fstat(f.fileno()).st_size
-        if length > SAFETENSORS_HEADER_MAX_BYTES:
-            raise ValueError(
-                f"{path}: safetensors header length {length} is over the "
-                f"{SAFETENSORS_HEADER_MAX_BYTES}-byte limit (corrupt file?)"
-            )
-        if length > size - 8:
-            raise ValueError(
-                f"{path}: safetensors header length {length} is beyond the end of the file "
-                f"({size} bytes; truncated or corrupt)"
-            )
-        raw = f.read(length)
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:  # UnicodeDecodeError included
-        raise ValueError(f"{path}: safetensors header is not valid JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
-    sizes: dict[str, int] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        ):
-            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets")
-        sizes[name] = offsets[1] - offsets[0]
-    return sizes
-
-
 def _safetensors_files(directory: Path) -> list[Path]:
     """The weight files: those the index names, else ``model*.safetensors`` (what mlx_lm loads),
     else any ``*.safetensors``. Repositories that also ship ``consolidated.safetensors`` are
@@ -421,7 +376,7 @@ def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimat
     if files := _safetensors_files(path):
         weights_bytes = 0
         for file in files:
-            tensors = _safetensors_tensor_bytes(file)
+            tensors = safetensors_tensor_bytes(file)
             weights_bytes += sum(tensors.values())
             vision = vision or any(_is_vision_tensor(name) for name in tensors)
         return _assemble(config, weights_bytes, "safetensors", path, context_tokens, vision)
@@ -446,12 +401,9 @@ def _is_gguf_file(path: Path) -> bool:
 
 def _estimate_gguf(path: Path, context_tokens: int | None) -> Estimate:
     """A GGUF file as the runner loads it: its conversion if made, else from its header."""
-    # Lazy, as for builtins: runner.gguf_import imports no mlx, numpy or gguf-py (only its
-    # converter does, when it runs), and these two read stat results and the GGUF header with
-    # the standard library. Sharing them keeps one definition of the conversion's cache name,
-    # config and dtype for the runner and the estimate.
-    from runner.gguf_import import built_gguf_model_dir, gguf_config_and_weight_bytes
-
+    # modelfiles.gguf reads stat results and the GGUF header with the standard library; the
+    # runner's converter uses it too, which keeps one definition of the conversion's cache
+    # name, config and dtype for the runner and the estimate.
     converted = built_gguf_model_dir(path)
     if converted is not None:
         estimate = estimate_model_dir(converted, context_tokens)
@@ -483,9 +435,6 @@ def local_model_path(model: str) -> Path | None:
     its snapshot in the local Hugging Face cache, if complete.
     """
     if model.startswith(BUILTIN_PREFIX):
-        # The recipe lives with the runner; importing it pulls in no mlx.
-        from runner.builtin import built_builtin_model_dir
-
         try:
             return built_builtin_model_dir(model)
         except ValueError:  # unknown builtin: the load will say so
@@ -531,8 +480,6 @@ def estimate_reference(model: str, context_tokens: int | None = None) -> Estimat
 def _builtin_recipe(model: str) -> tuple[dict[str, Any], int]:
     """A builtin model's config and weight bytes from its recipe (cached: it
     trains the tokenizer to learn the vocabulary size, a few tenths of a second)."""
-    from runner.builtin import builtin_config_and_weight_bytes
-
     return builtin_config_and_weight_bytes(model)
 
 

@@ -1,0 +1,1 @@
+"""The command line: commands, tables, the chat loop and the demo."""

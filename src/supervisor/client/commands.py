@@ -1,0 +1,239 @@
+"""The client's commands, free of I/O: each builds its request from its
+arguments, and a reader interprets the daemon's replies to it.
+
+:class:`~supervisor.client.Client` (blocking) and
+:class:`~supervisor.client.AsyncClient` (anyio) only send the request and
+feed the replies back; their methods are made from these functions
+with :func:`client_method`, signature and docstring included, so neither
+can lack an option the other has.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Concatenate, Generic, ParamSpec, TypeVar
+
+from ipc.messages import (
+    CacheCleared,
+    CacheClearRequest,
+    ChatMessage,
+    ClientMessage,
+    ErrorReply,
+    GenerateRequest,
+    GenerationDone,
+    Loaded,
+    LoadProgress,
+    LoadRequest,
+    Queued,
+    RestartStrategy,
+    SamplingParams,
+    ServerMessage,
+    ShutdownAck,
+    ShutdownRequest,
+    StatusReply,
+    StatusRequest,
+    TextChunk,
+    Unloaded,
+    UnloadRequest,
+)
+from supervisor.client.errors import ClientError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+C = TypeVar("C")  # a command's request (or Call)
+S = TypeVar("S")  # a client
+T = TypeVar("T")  # what the client's method returns
+
+
+def raise_for_error(message: ServerMessage) -> None:
+    """Raise the daemon's ErrorReply as a ClientError with its code and message."""
+    if isinstance(message, ErrorReply):
+        raise ClientError(message.code, message.message)
+
+
+@dataclass(frozen=True)
+class Call(Generic[R]):
+    """A command with one reply: the request to send, and the reading of the
+    replies up to the one of type ``expect`` (``on_message`` sees the others)."""
+
+    request: ClientMessage
+    expect: type[R]
+    on_message: Callable[[ServerMessage], None] | None = None
+
+    def feed(self, message: ServerMessage) -> R | None:
+        """Read one reply: the command's result, or None while more are due.
+
+        Raises:
+            ClientError: the daemon answered with an error.
+        """
+        raise_for_error(message)
+        if isinstance(message, self.expect):
+            return message
+        if self.on_message is not None:
+            self.on_message(message)
+        return None
+
+
+def status() -> Call[StatusReply]:
+    """The daemon's pid, uptime, the machine's memory and every runner."""
+    return Call(StatusRequest(), StatusReply)
+
+
+def load(
+    model: str,
+    name: str | None = None,
+    *,
+    max_tokens: int | None = None,
+    env: dict[str, str] | None = None,
+    restart: RestartStrategy | None = None,
+    keep_alive_s: float | None = None,
+    pinned: bool | None = None,
+    context_tokens: int | None = None,
+    max_concurrent: int | None = None,
+    prefix_cache: bool | None = None,
+    ranks: int | None = None,
+    hostfile: str | None = None,
+    on_progress: Callable[[LoadProgress], None] | None = None,
+) -> Call[Loaded]:
+    """Start a runner for ``model`` and wait until it is ready; ``on_progress``
+    sees each LoadProgress on the way.
+
+    Raises:
+        ClientError: the load failed (``code`` ``load_failed``,
+            ``already_loaded``, ...).
+    """
+
+    def progress(message: ServerMessage) -> None:
+        if on_progress is not None and isinstance(message, LoadProgress):
+            on_progress(message)
+
+    request = LoadRequest(
+        local_model_reference(model), name, max_tokens, env or {}, restart,
+        keep_alive_s, pinned, context_tokens, max_concurrent, prefix_cache, ranks, hostfile,
+    )  # fmt: skip
+    return Call(request, Loaded, progress)
+
+
+def unload(name: str) -> Call[Unloaded]:
+    """Stop the model's runner (escalating as needed) and forget it."""
+    return Call(UnloadRequest(name), Unloaded)
+
+
+def shutdown() -> Call[ShutdownAck]:
+    """Stop every runner and the daemon; returns once the runners are reaped."""
+    return Call(ShutdownRequest(), ShutdownAck)
+
+
+def clear_cache(name: str) -> Call[CacheCleared]:
+    """Drop the model's prefix cache (its runner stays loaded)."""
+    return Call(CacheClearRequest(name), CacheCleared)
+
+
+def generate(
+    name: str,
+    prompt: str | None = None,
+    *,
+    messages: list[ChatMessage] | list[dict[str, str]] | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    cache: bool = True,
+    stop: Sequence[str] = (),
+) -> GenerateRequest:
+    """Start a generation; iterate the result for text pieces. ``cache``
+    False: the request neither uses nor fills the model's prefix cache.
+    ``stop``: the text ends before the first of these strings. Chat turns
+    may be dicts with role and content."""
+    chat = None
+    if messages is not None:
+        chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+    sampling = SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop))
+    return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache)
+
+
+GENERATE_TEXT_DOC = """Generate to the end; return the whole text and the final stats.
+Takes the arguments of ``generate``."""
+
+
+class GenerationState:
+    """The reading of a generation's replies: ``done`` holds the stats at the end.
+
+    ``ttft_s`` is measured from ``started`` (set when the client starts the
+    call: connect and handshake included) to the first text frame.
+    """
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.ttft_s: float | None = None
+        self.tokens = 0
+        self.position: int | None = None  # place in the model's queue while waiting
+        self.done: GenerationDone | None = None
+
+    def feed(self, message: ServerMessage) -> str | None:
+        """Read one reply: its text, or None (a queue position; or the end,
+        and then ``done`` is set).
+
+        Raises:
+            ClientError: the daemon answered with an error, or with a message
+                that has no place in a generation (code ``protocol``).
+        """
+        raise_for_error(message)
+        if isinstance(message, Queued):
+            self.position = message.position
+            return None
+        if isinstance(message, TextChunk):
+            if self.ttft_s is None:
+                self.ttft_s = time.perf_counter() - self.started
+            self.tokens = message.generation_tokens
+            return message.text
+        if isinstance(message, GenerationDone):
+            self.done = message
+            return None
+        raise ClientError("protocol", f"unexpected {type(message).__name__} during generate")
+
+
+def local_model_reference(model: str) -> str:
+    """``model`` as the daemon should see it: a local directory or file (a
+    GGUF file) that exists here (relative to *our* working directory) becomes
+    an absolute path; repo ids and ``builtin:`` names pass unchanged."""
+    if model.startswith("builtin:"):
+        return model
+    try:
+        path = Path(model).expanduser()
+        local = path.is_dir() or path.is_file()  # a .gguf file, or an Ollama blob
+        return str(path.resolve()) if local else model
+    except (OSError, RuntimeError, ValueError):  # not a usable path here: the daemon decides
+        return model
+
+
+def client_method(
+    command: Callable[P, C],
+    run: Callable[[S, C], T],
+    owner: str,
+    *,
+    name: str = "",
+    doc: str = "",
+) -> Callable[Concatenate[S, P], T]:
+    """The ``owner`` client's method for ``command``: it builds the request
+    from its arguments and returns ``run(self, request)``. It takes the
+    command's name (or ``name``), docstring (or ``doc``) and signature
+    (``self`` first), as ``help`` and ``inspect.signature`` show them."""
+
+    def method(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return run(self, command(*args, **kwargs))
+
+    signature = inspect.signature(command)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[self_parameter, *signature.parameters.values()],
+        return_annotation=inspect.Signature.empty,  # the client's own, not the request's
+    )
+    method.__name__ = name or command.__name__
+    method.__qualname__ = f"{owner}.{method.__name__}"
+    method.__doc__ = doc or command.__doc__
+    return method

@@ -1,0 +1,1 @@
+"""The ways in: the control socket, the HTTP front and its APIs."""

@@ -1,0 +1,90 @@
+"""The HTTP front's routes besides completions: ``GET /v1/models`` and
+``/v1/models/{model}`` (loaded models, then configured ones), ``GET /health``
+(a one-line summary, 503 while shutting down) and ``GET /metrics``
+(Prometheus)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from ipc.messages import StatusReply
+from supervisor import __version__
+from supervisor.config import SupervisorConfig
+from supervisor.fronts.http.errors import ApiError
+from supervisor.fronts.http.openai import ENCODER, OWNER
+from supervisor.registry.registry import Registry
+
+
+class InfoRoutes:
+    """What the front says about the daemon and its models.
+
+    Args:
+        registry: the models.
+        config: the daemon config (the configured models).
+        status: the daemon's status.
+    """
+
+    def __init__(
+        self, registry: Registry, config: SupervisorConfig, status: Callable[[], StatusReply]
+    ) -> None:
+        self.registry = registry
+        self.config = config
+        self.status = status
+        self.metrics = registry.metrics
+
+    async def health(self, request: Request) -> Response:
+        """200 and a one-line summary while serving; 503 while shutting down."""
+        if self.registry.closing:
+            return PlainTextResponse("shutting down\n", status_code=503)
+        states = Counter(entry.state for entry in list(self.registry.entries.values()))
+        count = sum(states.values())
+        models = f"{count} model{'' if count == 1 else 's'}"
+        if states:
+            models += f" ({', '.join(f'{n} {state}' for state, n in sorted(states.items()))})"
+        return PlainTextResponse(f"ok: {OWNER} {__version__}, {models}\n")
+
+    async def prometheus(self, request: Request) -> Response:
+        """The metrics, in Prometheus' text format."""
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_objects(self) -> list[dict[str, Any]]:
+        """Loaded models, then configured ones that are not loaded."""
+        objects = []
+        status = self.status()
+        started = int(time.time() - status.supervisor.uptime_s)
+        for info in status.runners:
+            objects.append({
+                "id": info.name, "object": "model",
+                "created": int(info.started_at) if info.started_at else started,
+                "owned_by": OWNER, "model": info.model, "state": info.state,
+                "configured": self.config.model_config(info.name) is not None,
+                "pid": info.pid, "restarts": info.restarts,
+            })  # fmt: skip
+        loaded = {obj["id"] for obj in objects}
+        for model in self.config.models:
+            if model.name not in loaded:
+                objects.append({
+                    "id": model.name, "object": "model", "created": started, "owned_by": OWNER,
+                    "model": model.model, "state": "not_loaded", "configured": True,
+                    "pid": None, "restarts": 0,
+                })  # fmt: skip
+        return objects
+
+    async def list_models(self, request: Request) -> Response:
+        body = {"object": "list", "data": self._model_objects()}
+        return Response(ENCODER.encode(body), media_type="application/json")
+
+    async def get_model(self, request: Request) -> Response:
+        wanted = request.path_params["model"]
+        for obj in self._model_objects():
+            if wanted in (obj["id"], obj["model"]):
+                return Response(ENCODER.encode(obj), media_type="application/json")
+        raise ApiError(404, f"no model {wanted!r}", type="not_found_error", code="unknown_model",
+                       param="model")  # fmt: skip
