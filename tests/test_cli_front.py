@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import os
 import select
 import signal
@@ -11,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import DaemonFactory
+from conftest import DaemonFactory, faults
 from ipc.messages import LoadProgress
 from supervisor.cli.main import ProgressPrinter
 from supervisor.client import Client
@@ -62,6 +64,36 @@ def test_chat_keeps_the_history_and_the_cache_serves_it(
     (info,) = client.status().runners
     cache = info.prefix_cache
     assert cache is not None and cache.hits >= 1  # turn 2 resent turn 1: a prefix hit
+
+
+def test_chat_shows_a_thinking_models_thought_before_its_answer(
+    daemon: DaemonProcess, client: Client
+) -> None:
+    """The runner sends the thought apart from the text; the chat shows it
+    first, marked, so that it is not lost (builtin:tiny-qwen3-tools writes
+    the answer on cue: the ``script_text`` fault)."""
+    answer = "<think>\nA greeting: greet back.\n</think>\n\nHello there."
+    script = base64.b64encode(answer.encode()).decode()
+    name = client.load("builtin:tiny-qwen3-tools", env=faults(f"script_text={script}")).name
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "chat", name, "--socket", str(daemon.socket_path)],
+        input="hi\nagain\n", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    shown = done.stdout.splitlines()
+    assert shown == ["[thinking]", "A greeting: greet back.", "[done thinking]", "Hello there."] * 2
+    # ``generate`` shows it the same way, and its JSON summary has it.
+    generated = subprocess.run(
+        [sys.executable, "-m", "supervisor", "generate", name, "hi", "--chat", "--json",
+         "--socket", str(daemon.socket_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
+    *shown, summary = generated.stdout.splitlines()
+    assert shown == ["[thinking]", "A greeting: greet back.", "[done thinking]", "Hello there."]
+    facts = json.loads(summary)
+    assert facts["reasoning"].strip() == "A greeting: greet back."
+    assert facts["reasoning_tokens"] > 0
 
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(daemon: DaemonProcess, client: Client) -> None:

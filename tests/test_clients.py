@@ -3,7 +3,9 @@ and the promise that the daemon side never imports mlx."""
 
 from __future__ import annotations
 
+import base64
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +14,15 @@ import anyio
 import pytest
 
 from conftest import DaemonFactory, faults, runner
-from ipc.messages import LoadProgress
-from supervisor.client import AsyncClient, Client, ClientError, commands
+from ipc.messages import ChatOptions, LoadProgress, SamplingParams
+from supervisor.client import (
+    AsyncClient,
+    AsyncGeneration,
+    Client,
+    ClientError,
+    Generation,
+    commands,
+)
 from supervisor.daemon.process import DaemonProcess
 
 
@@ -115,6 +124,62 @@ def test_async_load_takes_the_options_of_the_blocking_one(
     assert info.max_concurrent == 2 and info.prefix_cache is None
     assert cleared == "tiny"
     assert Client(daemon.socket_path).generate_text("tiny", "Hi", max_tokens=4)[0] == text
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+THOUGHT_AND_CALL = (
+    "<think>\nThey ask for the weather.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+def test_both_clients_keep_the_reasoning_tool_calls_and_logprobs(daemon: DaemonProcess) -> None:
+    """The parts of an answer that are not its text reach a generation of
+    either client: logprobs from builtin:tiny, and a thought and a tool call
+    that builtin:tiny-qwen3-tools writes on cue (the ``script_text`` fault)."""
+    client = Client(daemon.socket_path)
+    client.load("builtin:tiny")
+    script = base64.b64encode(THOUGHT_AND_CALL.encode()).decode()
+    tools = client.load("builtin:tiny-qwen3-tools", env=faults(f"script_text={script}")).name
+    sampling = SamplingParams(max_tokens=6, logprobs=True, top_logprobs=2)
+    question = [{"role": "user", "content": "The weather in Paris?"}]
+    options = ChatOptions(tools=[WEATHER])
+
+    def check(logprobs: Generation | AsyncGeneration, calls: Generation | AsyncGeneration) -> None:
+        assert logprobs.done is not None and logprobs.done.generation_tokens == 6
+        assert len(logprobs.logprobs) == 6, "one entry per token"
+        assert all(len(entry.top) == 2 for entry in logprobs.logprobs)
+        assert not logprobs.reasoning and not logprobs.tool_calls
+        assert calls.done is not None and calls.done.finish_reason == "tool_calls"
+        # Both as the model wrote them, newlines included, as mlx_lm.server sends them.
+        assert calls.reasoning == "\nThey ask for the weather.\n"
+        assert [(c.name, json.loads(c.arguments)) for c in calls.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        assert not calls.logprobs  # not asked for
+
+    with client.generate("tiny", "Hi", sampling=sampling) as with_logprobs:
+        "".join(with_logprobs)
+    with client.generate(tools, messages=question, options=options) as with_calls:
+        text = "".join(with_calls)
+    assert text == "\n\n"  # what the model wrote between its thought and its call
+    check(with_logprobs, with_calls)
+
+    async def main() -> tuple[AsyncGeneration, AsyncGeneration]:
+        aclient = AsyncClient(daemon.socket_path)
+        async with aclient.generate("tiny", "Hi", sampling=sampling) as first:
+            [piece async for piece in first]
+        async with aclient.generate(tools, messages=question, options=options) as second:
+            [piece async for piece in second]
+        return first, second
+
+    check(*anyio.run(main))
 
 
 def test_both_clients_give_up_on_a_silent_runner_after_timeout_s(

@@ -7,6 +7,8 @@ alone or in a batch (on the fp32 builtins, where batching is exact).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -15,9 +17,12 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tool_parsers import json_tools
 
 from ipc.messages import (
     ChatMessage,
+    ChatOptions,
     EngineReport,
     EngineSettings,
     Generate,
@@ -25,6 +30,7 @@ from ipc.messages import (
     GenerationFailed,
     Heartbeat,
     MemoryPlan,
+    ResponseFormat,
     SamplingParams,
     TextChunk,
 )
@@ -853,3 +859,310 @@ def test_a_lone_request_joins_a_batch_with_the_prompt_it_has_left(tiny: LoadedMo
     h.run()
     assert h.done(first).batched and h.done(second).batched
     assert h.text(first) == reference
+
+
+# --- reasoning and tool calls, through the engine -------------------------------------
+#
+# builtin:tiny's tokenizer given Qwen3's markup (``<think>`` tags, here several
+# tokens each, as Gemma's are; ``<tool_call>`` blocks read by mlx-lm's json_tools
+# parser), and its tokens scripted by a logits processor that forces them one
+# by one: the engine's frames, finish and counts are checked on known text.
+
+TAGS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.id }} {{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}{% endfor %}"
+    "{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+class TaggedTokenizer(TokenizerWrapper):  # type: ignore[misc]
+    """builtin:tiny's tokenizer with thinking tags and Qwen3's tool-call markup."""
+
+    def __init__(self, tiny: LoadedModel, template: str = TAGS_TEMPLATE) -> None:
+        hf = tiny.tokenizer._tokenizer
+        super().__init__(
+            hf,
+            detokenizer_class=type(tiny.tokenizer._detokenizer),
+            eos_token_ids=tiny.tokenizer.eos_token_ids,
+            chat_template=lambda turns, **kw: hf.apply_chat_template(
+                turns, chat_template=template, tokenize=False, **kw),
+            tool_call_start=json_tools.tool_call_start,
+            tool_call_end=json_tools.tool_call_end,
+            tool_parser=json_tools.parse_tool_call,
+        )  # fmt: skip
+        self._think_start, self._think_end = "<think>", "</think>"
+        self._think_start_tokens = tuple(self.pieces("<think>"))
+        self._think_end_tokens = tuple(self.pieces("</think>"))
+
+    def pieces(self, *texts: str) -> list[int]:
+        """``texts`` encoded one by one: each marker its own tokens."""
+        return [t for text in texts for t in self._tokenizer.encode(text, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def tagged(tiny: LoadedModel) -> LoadedModel:
+    return dataclasses.replace(tiny, tokenizer=TaggedTokenizer(tiny))
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny: LoadedModel) -> LoadedModel:
+    """Its template opens the thinking in the answer's header, as Qwen3's does."""
+    template = TAGS_TEMPLATE.replace("<assistant>{% endif %}", "<assistant><think>\n{% endif %}")
+    return dataclasses.replace(tiny, tokenizer=TaggedTokenizer(tiny, template))
+
+
+def script(monkeypatch: pytest.MonkeyPatch, model: LoadedModel, *scripts: list[int]) -> None:
+    """The next requests made generate ``scripts``' tokens, one script each in
+    the order they are made, then an end token (the script forced as a logits
+    processor: the engine's constraint slot)."""
+    queue = list(scripts)
+    (eos, *_) = sorted(model.tokenizer.eos_token_ids)
+
+    def forcing(chat: ChatOptions, tokenizer: Any, vocab_size: int, prompt: Any) -> Any:
+        if not queue:
+            return None
+        tokens, start = queue.pop(0), None
+
+        def force(context: mx.array, logits: mx.array) -> mx.array:
+            nonlocal start
+            start = context.size if start is None else start
+            at = context.size - start
+            target = tokens[at] if at < len(tokens) else eos
+            allowed = mx.arange(logits.shape[-1]) == target
+            return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
+
+        return force
+
+    monkeypatch.setattr("runner.engine.constraint_processor", forcing)
+
+
+def chunks(h: Harness, request_id: int) -> list[TextChunk]:
+    return [f for f in h.frames if isinstance(f, TextChunk) and f.request_id == request_id]
+
+
+def test_reasoning_goes_to_its_own_frames_and_counts_its_tokens(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok: TaggedTokenizer = tagged.tokenizer
+    thinking = tok.pieces("<think>", "I think hard", "</think>")
+    script(monkeypatch, tagged, thinking + tok.pieces("The answer."))
+    h = Harness(tagged, EngineSettings(prefix_cache=False, stream_interval_s=0.0))
+    request_id = h.submit([ChatMessage("user", "Hi")], 40, sampling={"logprobs": True})
+    h.run()
+    frames = chunks(h, request_id)
+    assert "".join(f.reasoning for f in frames) == "I think hard"
+    assert h.text(request_id) == "The answer."
+    done = h.done(request_id)
+    assert done.finish_reason == "stop"
+    # The thinking's tokens, its end tag's included (of a start tag of several
+    # tokens, those before its last are counted as the answer's).
+    assert len(tok.pieces("I think hard", "</think>")) < done.reasoning_tokens <= len(thinking)
+    # Every token but the end has its log probability, reasoning ones included.
+    assert sum(len(f.logprobs or []) for f in frames) == done.generation_tokens - 1
+
+
+def test_tool_calls_end_the_answer_with_finish_tool_calls_alone_and_in_a_batch(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok: TaggedTokenizer = tagged.tokenizer
+    call = tok.pieces("<tool_call>", WEATHER_CALL, "</tool_call>")
+    script(monkeypatch, tagged, tok.pieces("Let me look.") + call, call, call)
+    chat = ChatOptions(tools=[WEATHER_TOOL])
+    h = Harness(tagged, EngineSettings(prefix_cache=False))
+    ids = [h.submit([ChatMessage("user", "Weather?")], 60, chat=chat)]
+    h.run()
+    ids += [h.submit([ChatMessage("user", "Weather?")], 60, chat=chat) for _ in range(2)]
+    plain = h.submit(PROMPTS[0], 20)
+    h.run()
+    for request_id, content in zip(ids, ["Let me look.", "", ""], strict=True):
+        done = h.done(request_id)
+        assert done.batched == (request_id != ids[0]) and done.finish_reason == "tool_calls"
+        assert done.invalid_tool_call is None
+        assert h.text(request_id) == content  # no markup in the content
+        (call_made,) = [c for f in chunks(h, request_id) for c in f.tool_calls or []]
+        assert call_made.name == "get_weather"
+        assert json.loads(call_made.arguments) == {"city": "Paris"}
+        assert call_made.id
+    assert h.done(plain).finish_reason == "length"
+
+
+def test_a_tool_call_cut_short_is_reported_invalid_not_passed_off_as_content(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok: TaggedTokenizer = tagged.tokenizer
+    before = tok.pieces("Calling.", "<tool_call>")
+    script(monkeypatch, tagged, before + tok.pieces(WEATHER_CALL))
+    h = Harness(tagged, EngineSettings(prefix_cache=False))
+    request_id = h.submit([ChatMessage("user", "Weather?")], len(before) + 4,
+                          chat=ChatOptions(tools=[WEATHER_TOOL]))  # fmt: skip
+    h.run()
+    done = h.done(request_id)
+    assert done.finish_reason == "length"
+    assert h.text(request_id) == "Calling."
+    assert done.invalid_tool_call is not None and done.invalid_tool_call.startswith("<tool_call>")
+    assert not any(f.tool_calls for f in chunks(h, request_id))
+
+
+def test_with_tool_choice_none_tool_call_text_is_content(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok: TaggedTokenizer = tagged.tokenizer
+    script(monkeypatch, tagged, tok.pieces("<tool_call>", WEATHER_CALL, "</tool_call>"))
+    h = Harness(tagged, EngineSettings(prefix_cache=False))
+    request_id = h.submit([ChatMessage("user", "Weather?")], 60,
+                          chat=ChatOptions(tools=[WEATHER_TOOL], tool_choice="none"))  # fmt: skip
+    h.run()
+    assert h.done(request_id).finish_reason == "stop"
+    assert h.text(request_id) == f"<tool_call>{WEATHER_CALL}</tool_call>"
+
+
+def test_stop_strings_cut_the_content_not_the_reasoning(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok: TaggedTokenizer = tagged.tokenizer
+    script(monkeypatch, tagged, tok.pieces("<think>", "I stop to think", "</think>",
+                                           "Do not stop here."))  # fmt: skip
+    h = Harness(tagged, EngineSettings(prefix_cache=False))
+    request_id = h.submit([ChatMessage("user", "Hi")], 60, sampling={"stop": ("stop",)})
+    h.run()
+    assert "".join(f.reasoning for f in chunks(h, request_id)) == "I stop to think"
+    assert h.text(request_id) == "Do not "
+    assert h.done(request_id).finish_reason == "stop"
+
+
+def test_the_next_turn_after_tool_calls_is_prefilled_with_the_calls(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok: TaggedTokenizer = tagged.tokenizer
+    script(monkeypatch, tagged, tok.pieces("<tool_call>", WEATHER_CALL, "</tool_call>"))
+    chat = ChatOptions(tools=[WEATHER_TOOL])
+    h = Harness(tagged)
+    history = [ChatMessage("user", "Weather?")]
+    first = h.submit(history, 60, chat=chat)
+    h.settle()
+    (call_made,) = [c for f in chunks(h, first) for c in f.tool_calls or []]
+    assert h.done(first).finish_reason == "tool_calls"
+    # The client sends the call back, with the tool's answer.
+    answer = ChatMessage("assistant", "", tool_calls=[call_made])
+    following = [*history, answer, ChatMessage("tool", "sunny", tool_call_id=call_made.id)]
+    prompt = build_prompt_tokens(tok, Generate(0, messages=following, chat=chat))
+    ahead = next_turn_prefix(tok, history, answer, chat)
+    assert h.engine.stats().next_turn.prefilled == 1  # type: ignore[union-attr]
+    second = h.submit(following, 4)
+    h.run()
+    assert h.done(second).cached_tokens >= _common_prefix(ahead, prompt) > len(
+        build_prompt_tokens(tok, Generate(0, messages=history, chat=chat)))  # fmt: skip
+
+
+def test_a_reasoning_budget_ends_the_thinking_and_the_schema_holds_the_answer(
+    thinking: LoadedModel,
+) -> None:
+    # Real sampling, the grammar and the budget together: the prompt leaves the
+    # model thinking; after 8 tokens the budget forces the end tag, and the
+    # grammar (which let the thinking through) holds the answer to the schema.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}  # fmt: skip
+    chat = ChatOptions(response_format=ResponseFormat("json_schema", schema, "answer"))
+    sampling = {"max_reasoning_tokens": 8, "temperature": 1.0}
+    end_tag = len(thinking.tokenizer.think_end_tokens)
+    for together in (1, 2):
+        h = Harness(thinking, EngineSettings(prefix_cache=False))
+        ids = [h.submit([ChatMessage("user", "Hi")], 80, chat=chat, sampling=sampling)
+               for _ in range(together)]  # fmt: skip
+        h.run()
+        for request_id in ids:
+            done = h.done(request_id)
+            assert done.batched == (together > 1) and done.finish_reason == "stop"
+            assert done.reasoning_tokens == 8 + end_tag
+            assert "".join(f.reasoning for f in chunks(h, request_id))
+            assert json.loads(h.text(request_id)) in ({"ok": True}, {"ok": False})
+
+
+@pytest.mark.parametrize(
+    ("tail", "stop", "text"),
+    [
+        ("\nhello STOP more", "STOP", "\nhello "),
+        # "<" may open a tag: the splitter holds it, and only the end token's
+        # flush releases it, so the stop string is found in the last text.
+        ("\nhello <", "o <", "\nhell"),
+    ],
+    ids=["midway", "at-the-end"],
+)
+def test_a_broken_call_before_a_stop_string_is_still_reported_invalid(
+    tagged: LoadedModel, monkeypatch: pytest.MonkeyPatch, tail: str, stop: str, text: str
+) -> None:
+    # The block closed broken before the stop string came: the answer ends at
+    # the stop, and the broken call in it is still no content and no silence.
+    tok: TaggedTokenizer = tagged.tokenizer
+    broken = tok.pieces("<tool_call>", "\n{broken\n", "</tool_call>")
+    script(monkeypatch, tagged, broken + tok.pieces(tail))
+    h = Harness(tagged, EngineSettings(prefix_cache=False))
+    request_id = h.submit([ChatMessage("user", "Weather?")], 60, sampling={"stop": (stop,)},
+                          chat=ChatOptions(tools=[WEATHER_TOOL]))  # fmt: skip
+    h.run()
+    done = h.done(request_id)
+    assert (h.text(request_id), done.finish_reason) == (text, "stop")
+    assert done.invalid_tool_call == "<tool_call>\n{broken\n</tool_call>"
+
+
+def test_a_model_without_tool_syntax_calls_in_json_under_auto(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # builtin:tiny's template has no tool-call syntax: a JSON answer naming a
+    # tool is the call (as Llama 3.x answers), other answers are content.
+    encode = tiny.tokenizer._tokenizer.encode
+    listed = "  [" + WEATHER_CALL.replace("arguments", "parameters") + "]"
+    script(monkeypatch, tiny, encode(WEATHER_CALL), encode(listed),
+           encode('{"name": "get_time", "arguments": {}}'), encode("Sunny."))  # fmt: skip
+    h = Harness(tiny, EngineSettings(prefix_cache=False, stream_interval_s=0.0))
+    chat = ChatOptions(tools=[WEATHER_TOOL])
+    ids = []
+    for _ in range(4):
+        ids.append(h.submit([ChatMessage("user", "Weather?")], 60, chat=chat))
+        h.run()
+    for request_id in ids[:2]:
+        assert h.done(request_id).finish_reason == "tool_calls"
+        assert h.text(request_id) == ""
+        (made,) = [c for f in chunks(h, request_id) for c in f.tool_calls or []]
+        assert (made.name, json.loads(made.arguments)) == ("get_weather", {"city": "Paris"})
+    # JSON that names no tool of the request is content, as it came, in one piece at the end.
+    assert h.text(ids[2]) == '{"name": "get_time", "arguments": {}}'
+    assert [f.text for f in chunks(h, ids[2]) if f.text] == [h.text(ids[2])]
+    assert h.done(ids[2]).finish_reason == "stop"
+    # Prose streams as ever.
+    assert h.text(ids[3]) == "Sunny." and len([f for f in chunks(h, ids[3]) if f.text]) > 1
+
+
+@pytest.mark.parametrize(
+    ("chat", "option"),
+    [
+        (ChatOptions(tools=[WEATHER_TOOL]), "tools"),
+        (ChatOptions(tool_choice="required"), "tool_choice"),
+        (ChatOptions(chat_template_kwargs={"enable_thinking": False}), "chat_template_kwargs"),
+    ],
+    ids=["tools", "tool_choice", "template_kwargs"],
+)
+def test_chat_options_on_a_raw_prompt_fail_the_request_as_invalid(
+    tiny: LoadedModel, chat: ChatOptions, option: str
+) -> None:
+    h = Harness(tiny)
+    h.submit(PROMPTS[0], 8, chat=chat)
+    (failed,) = [f for f in h.frames if isinstance(f, GenerationFailed)]
+    assert failed.invalid_request and "messages" in failed.error
+    assert failed.error.startswith(f"ValueError: {option} need")
+
+
+def test_a_raw_prompt_can_ask_for_json(tiny: LoadedModel) -> None:
+    # response_format needs no template: its grammar holds a raw prompt's answer too.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}  # fmt: skip
+    chat = ChatOptions(response_format=ResponseFormat("json_schema", schema, "answer"))
+    h = Harness(tiny, EngineSettings(prefix_cache=False))
+    request_id = h.submit(PROMPTS[0], 40, chat=chat, sampling={"temperature": 1.0})
+    h.run()
+    assert json.loads(h.text(request_id)) in ({"ok": True}, {"ok": False})

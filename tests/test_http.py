@@ -4,6 +4,7 @@ tests check shapes, counts and behaviour, never the words."""
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import signal
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from conftest import DaemonFactory, faults
-from ipc.messages import ErrorCode, GenerateRequest, GenerationDone, TextChunk
+from ipc.messages import ErrorCode, GenerateRequest, GenerationDone, TextChunk, ToolCall
 from supervisor import __version__
 from supervisor.client import Client
 from supervisor.config import (
@@ -531,6 +532,63 @@ def test_configured_model_loads_on_demand_with_keep_alive_comments(
     ttft = names["mlx_supervisor_time_to_first_token_seconds"].samples
     assert any(s.name.endswith("_count") and s.value == 1 for s in ttft)
     assert any(s.value > 0 for s in names["mlx_supervisor_runner_rss_bytes"].samples)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+A_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_an_answer_of_tool_calls_counts_as_ok_and_has_a_first_token_time(
+    start_daemon: DaemonFactory,
+) -> None:
+    """builtin:tiny-qwen3-tools writes a call and nothing else (the
+    ``script_text`` fault): a whole answer, with no text in it."""
+    daemon, url = start(start_daemon)
+    script = base64.b64encode(A_CALL.encode()).decode()
+    name = (
+        Client(daemon.socket_path)
+        .load("builtin:tiny-qwen3-tools", env=faults(f"script_text={script}"))
+        .name
+    )
+    api = openai_client(url)
+    answer = api.chat.completions.create(model=name, messages=CHAT, tools=[WEATHER])
+    assert answer.choices[0].finish_reason == "tool_calls" and not answer.choices[0].message.content
+    assert metric(url, "mlx_supervisor_requests_total", model=name, outcome="ok") == 1
+    assert metric(url, "mlx_supervisor_requests_total", model=name, outcome="tool_calls") == 0
+    assert metric(url, "mlx_supervisor_time_to_first_token_seconds_count", model=name) == 1
+
+
+def test_a_generation_cut_at_its_first_tool_call_counts_as_ok() -> None:
+    """parallel_tool_calls false: the front cancels the generation at its
+    first call, and the runner ends it "cancelled"; the answer was whole.
+    A client that leaves before any call is still a cancel."""
+    metrics = Metrics()
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    ended = GenerationDone(request_id=1, prompt_tokens=2, generation_tokens=9, prompt_tps=1.0,
+                           generation_tps=1.0, ttft_s=0.1, peak_memory_bytes=0,
+                           finish_reason="cancelled")  # fmt: skip
+    cut = metrics.request("tiny")
+    cut.observe(TextChunk(request_id=1, text="", generation_tokens=8, tool_calls=[call]))
+    cut.observe(ended)
+    left = metrics.request("tiny")
+    left.observe(TextChunk(request_id=1, text="", generation_tokens=8, reasoning="Hmm"))
+    left.observe(ended)
+
+    def sample(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            f"mlx_supervisor_{name}", {"model": "tiny", **labels}
+        )
+
+    assert (
+        sample("requests_total", outcome="ok") == sample("requests_total", outcome="cancelled") == 1
+    )
+    assert sample("time_to_first_token_seconds_count") == 2  # a call, a thought: first outputs
 
 
 def test_a_request_for_a_stopping_model_waits_and_loads_it_again(

@@ -164,6 +164,10 @@ def _value_for(t: msgspec.inspect.Type, name: str, counter: Iterator[int]) -> An
             )
             for _ in range(2)
         }
+    if isinstance(t, msgspec.inspect.TupleType):
+        return tuple(_value_for(item, name, counter) for item in t.item_types)
+    if isinstance(t, msgspec.inspect.AnyType):  # JSON-like data (a tool's schema, ...)
+        return {f"{name}-{n}": [n, f"é✓-{n}", {"nested": None}]}
     if isinstance(t, msgspec.inspect.StructType):
         return _instance(t.cls, counter)
     raise NotImplementedError(f"teach _value_for about {t!r} (field {name})")
@@ -547,7 +551,7 @@ GARBAGE_BODIES = [
         id="wrong-typed-nested-field",
     ),
     pytest.param(
-        _enc({"type": "generate", "request_id": 1, "messages": [{"role": "user"}]}),
+        _enc({"type": "generate", "request_id": 1, "messages": [{"content": "hi"}]}),
         id="missing-nested-field",
     ),
     pytest.param(

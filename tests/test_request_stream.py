@@ -121,3 +121,26 @@ async def test_close_forgets_the_request_and_drops_what_was_queued() -> None:
     stream.put(GenerationDone(7, 1, 1, 0.0, 0.0, 0.0, 0, "stop"), b"")  # after the close
     assert handle.closed == [7]
     assert stream.next_nowait() is None
+
+
+def test_chunks_merged_for_a_slow_client_keep_every_field() -> None:
+    """A client that fell behind gets one frame for the chunks it missed: the
+    reasoning, tool calls and logprobs of each are in it, in order."""
+    from ipc.messages import TextChunk, TokenLogprob, ToolCall
+    from supervisor.registry.requests import merged_chunks
+
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    chunks = [
+        TextChunk(7, "a", 1, reasoning="think ", logprobs=[TokenLogprob("a", -0.5)]),
+        TextChunk(7, "", 2, tool_calls=[call], logprobs=[TokenLogprob("<tc>", -0.1)]),
+        TextChunk(7, "b", 3, reasoning="more", logprobs=[TokenLogprob("b", -1.0, [("c", -2.0)])]),
+    ]
+    merged = merged_chunks(7, chunks)
+    assert (merged.request_id, merged.text, merged.generation_tokens) == (7, "ab", 3)
+    assert merged.reasoning == "think more"
+    assert merged.tool_calls == [call]
+    assert merged.logprobs is not None
+    assert [e.token for e in merged.logprobs] == ["a", "<tc>", "b"]
+    assert merged.logprobs[2].top == [("c", -2.0)]
+    plain = merged_chunks(7, [TextChunk(7, "x", 1), TextChunk(7, "y", 2)])
+    assert plain.tool_calls is None and plain.logprobs is None and plain.reasoning == ""

@@ -15,15 +15,15 @@ to the client as it is). Memory figures are bytes; times are seconds.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
-FinishReason = Literal["stop", "length", "cancelled", "error", "memory_pressure"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "memory_pressure", "tool_calls"]
 RunnerState = Literal[
     "starting", "loading", "ready", "busy", "stopping", "crashed", "restarting", "failed"
 ]
@@ -61,11 +61,28 @@ class Hello(msgspec.Struct, tag="hello"):
 # --- shared pieces -----------------------------------------------------------
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """A call of one of the request's tools, as the model wrote it (or, in a
+    chat's history, as an earlier answer did). ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct):
-    """One turn of a chat, rendered with the model's chat template."""
+    """One turn of a chat, rendered with the model's chat template.
+
+    ``tool_calls``: an assistant turn that called tools; ``tool_call_id``: a
+    ``tool`` turn, the answer to that call; ``reasoning``: an assistant turn's
+    reasoning, for templates that show it again."""
 
     role: str
-    content: str
+    content: str = ""
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -73,6 +90,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     ``stop``: up to four strings; the text ends before the first that
     appears in it (``finish_reason`` "stop"), and none of it is sent.
+    The rest are mlx-lm's sampler and logits processors (``make_sampler``,
+    ``make_logits_processors``), with their defaults meaning "off";
+    ``top_logprobs`` asks for that many alternatives per token (with
+    ``logprobs``); ``max_reasoning_tokens`` ends a model's thinking after
+    that many tokens.
     """
 
     max_tokens: int = 256
@@ -80,6 +102,69 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    presence_context_size: int = 20
+    frequency_penalty: float | None = None
+    frequency_context_size: int = 20
+    logit_bias: dict[int, float] | None = None
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_reasoning_tokens: int | None = None
+
+
+ToolChoiceMode = Literal["auto", "none", "required"]
+
+
+class NamedTool(msgspec.Struct, frozen=True):
+    """``tool_choice`` naming the one function the model must call."""
+
+    name: str
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """What the answer's text must be: any JSON value (``json_object``), or
+    JSON that follows ``schema`` (``json_schema``). Enforced by constrained
+    decoding in the runner; a schema it cannot compile fails the request."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+
+
+class ChatOptions(msgspec.Struct, frozen=True):
+    """What a chat request adds to its messages: ``tools`` (OpenAI function
+    tools, given to the chat template as they are), which of them the model
+    may or must call, the answer's format, and extra arguments for the chat
+    template (``enable_thinking``, ...)."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoiceMode | NamedTool = "auto"
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log probability, and the ``top`` alternatives
+    asked for (token text, log probability), most likely first.
+
+    A token's text is the UTF-8 of its bytes, but for a token that holds
+    part of a character, whose bytes are no text alone: its text shows them
+    escaped (``\\xe6\\x97``) and its bytes come in ``bytes`` (and, for the
+    alternatives, in ``top_bytes``, one entry per entry of ``top``). None
+    there (and the default, as older runners send): the text's UTF-8 is the
+    token's bytes."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+    bytes: list[int] | None = None
+    top_bytes: list[list[int] | None] | None = None
 
 
 class MemoryFigures(msgspec.Struct, frozen=True):
@@ -107,11 +192,19 @@ class LoadProgress(msgspec.Struct, tag="load_progress"):
 
 
 class TextChunk(msgspec.Struct, tag="chunk"):
-    """A piece of generated text; ``generation_tokens`` counts tokens so far."""
+    """A piece of generated text; ``generation_tokens`` counts tokens so far.
+
+    ``text`` is the answer's content; ``reasoning`` the model's thinking
+    (templates with thinking tags), never mixed into ``text``; ``tool_calls``
+    the calls parsed from the model's tool-call text, each whole;
+    ``logprobs`` one entry per token of this chunk (when asked for)."""
 
     request_id: int
     text: str
     generation_tokens: int
+    reasoning: str = ""
+    tool_calls: list[ToolCall] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationDone(msgspec.Struct, tag="done"):
@@ -129,6 +222,9 @@ class GenerationDone(msgspec.Struct, tag="done"):
     detail: str | None = None  # why it ended early (memory_pressure: the numbers)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
     batched: bool = False  # served in a batch beside other requests (for part of it at least)
+    reasoning_tokens: int = 0  # of generation_tokens, those the model spent thinking
+    # tool-call text the model broke or cut short (it is not passed off as content)
+    invalid_tool_call: str | None = None
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True):
@@ -210,6 +306,7 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
     cache: bool = True  # False: neither use nor fill the prefix cache
+    chat: ChatOptions = ChatOptions()
 
 
 class CacheClearRequest(msgspec.Struct, tag="cache_clear"):
@@ -532,6 +629,7 @@ class Generate(msgspec.Struct, tag="generate"):
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
     cache: bool = True  # False: neither use nor fill the prefix cache
+    chat: ChatOptions = ChatOptions()
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

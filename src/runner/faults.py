@@ -34,6 +34,19 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
   the generation guard must catch.
 - ``hog_at_load=MB``: before the weights, allocate MB MiB and hold it for the
   runner's life (a load the load guard must stop).
+- ``script_text=BASE64``: every generation emits exactly the tokens of this
+  text (standard base64 of UTF-8), then the model's EOS: the text is encoded
+  by the model's tokenizer as a prompt is (no BOS; a tag that is one token in
+  the vocabulary, ``<tool_call>``, becomes that token), and a logits
+  processor forces each token in turn (:class:`ScriptedTokens`). The real
+  decode path, detokenizer, output splitter and front all run on it: a random
+  model writes a tool call, a think block, a broken call, on cue. Only a
+  processor after it (the reasoning budget) may put another token in; the
+  script then goes on after that token's next place in it (a think block the
+  budget closes resumes after the script's own ``</think>``).
+- ``script_prefix=BASE64``: the same, but after the text the model goes on
+  as it would (a random model then thinks at random inside a ``<think>`` the
+  prefix opened, where it would never open one itself).
 - ``once=PATH``: fire at most once across runners: a runner finding PATH
   injects nothing; the first fault to fire creates it. Lets a test crash a
   model's first runner but not the one restarted in its place.
@@ -41,13 +54,20 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import random
 import signal
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+
 from ipc.messages import FAULTS_ENV
+
+log = structlog.get_logger("runner.faults")
 
 
 class InjectedFault(Exception):
@@ -66,6 +86,7 @@ class Faults:
         self._held: list[Any] = []  # hog_at_load's memory, for the runner's life
         self._request_held: list[Any] = []  # hog_at_token's, until the request ends
         self._garbage_sent = False
+        self._script: list[int] | None = None  # script_text's tokens, once encoded
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -181,9 +202,113 @@ class Faults:
         if "slow_prefill" in self:
             time.sleep(float(self.arg("slow_prefill")) * tokens)
 
+    def script_processor(self, tokenizer: Any) -> Callable[[Any, Any], Any] | None:
+        """A new request's processor that forces ``script_text``'s tokens
+        and then EOS, or ``script_prefix``'s and then nothing (None without
+        either). The text is encoded once, on the first request; that
+        request logs the tokens and the thinking and tool-call markup mlx-lm
+        found for the model (its tool parser's name), which is what a test of
+        a tool-call family checks it got.
+
+        Raises:
+            ValueError: both are set, or the text is not base64 of UTF-8."""
+        names = [name for name in ("script_text", "script_prefix") if name in self]
+        if not names:
+            return None
+        if len(names) > 1:
+            raise ValueError("script_text and script_prefix exclude each other")
+        (name,) = names
+        if self._script is None:
+            try:
+                text = base64.b64decode(self.arg(name), validate=True).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError) as exc:
+                raise ValueError(f"{name} is not base64 of UTF-8 text: {exc}") from exc
+            self._script = list(tokenizer.encode(text, add_special_tokens=False))
+            log.warning(
+                "scripted_output",
+                tokens=len(self._script),
+                tool_parser=tool_parser_name(tokenizer),
+                tool_call_start=getattr(tokenizer, "tool_call_start", None),
+                think_start=getattr(tokenizer, "think_start", None),
+            )
+        self._fire()
+        if name == "script_prefix":
+            return ScriptedTokens(self._script, None)
+        ends = tokenizer.eos_token_ids
+        return ScriptedTokens(self._script, tokenizer.eos_token_id if tokenizer.eos_token_id in ends
+                              else min(ends))  # fmt: skip
+
     def end_request(self) -> None:
         """Drop what ``hog_at_token`` held for the request that ended."""
         self._request_held.clear()
+
+
+def tool_parser_name(tokenizer: Any) -> str | None:
+    """The name of the tool parser mlx-lm chose for ``tokenizer`` (its
+    ``tool_parser_type``, which ``mlx_lm.tokenizer_utils.load`` writes into
+    the tokenizer's config; laguna's parser is glm47's function, so the
+    function's module would not tell), or None."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None:
+        return None
+    config = getattr(tokenizer, "init_kwargs", None)
+    name = config.get("tool_parser_type") if isinstance(config, dict) else None
+    return str(name) if name else str(parser.__module__).rpartition(".")[2]
+
+
+class ScriptedTokens:
+    """A logits processor (mlx-lm's signature) that makes one generation
+    emit ``script`` and then ``end`` (an EOS token; None: after the script
+    the logits pass unchanged): every logit but the next token's is -inf,
+    whatever the processors before it did (so a grammar that would not allow
+    the token fails the request, loudly).
+
+    It follows the tokens that actually came (mlx-lm shows the whole
+    sequence each call; the first call shows the prompt, as far as this run
+    sees it). One that is not the scripted one (a later processor forced it)
+    moves the script on to just after that token's next place in it, or
+    leaves the script where it was if it has none. Reading the tokens stalls
+    the decode pipeline a step: fine for test tooling."""
+
+    def __init__(self, script: Sequence[int], end: int | None) -> None:
+        self.script = list(script)
+        self.end = end
+        self._prompt_len: int | None = None
+        self._seen = 0  # generated tokens followed so far
+        self._next = 0  # the index in ``script`` of the token to force next
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx  # not at import: faults are parsed before mlx is imported
+
+        if self._prompt_len is None:
+            self._prompt_len = tokens.size
+        if self.end is None and self._next >= len(self.script):
+            return logits  # a prefix, written: the model is free (and not followed)
+        start = self._prompt_len + self._seen
+        if tokens.size > start:
+            for token in tokens[start:].tolist():
+                self._follow(int(token))
+            self._seen = tokens.size - self._prompt_len
+        if self._next < len(self.script):
+            target = self.script[self._next]
+        elif self.end is not None:
+            target = self.end
+        else:
+            return logits
+        return mx.where(
+            mx.arange(logits.shape[-1]) == target,
+            mx.zeros_like(logits),
+            mx.array(-float("inf"), dtype=logits.dtype),
+        )
+
+    def _follow(self, token: int) -> None:
+        """Take one token that came out."""
+        if self._next < len(self.script) and self.script[self._next] == token:
+            self._next += 1
+            return
+        rest = self.script[self._next :]
+        if token in rest:  # else the script goes on where it was
+            self._next += rest.index(token) + 1
 
 
 def hog(mebibytes: int) -> Any:

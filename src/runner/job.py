@@ -2,6 +2,11 @@
 
 A plain record, shared by the engine's parts (admission, the stop-string
 hold-back, the steps that run it); no mlx in it.
+
+What a request's tokens make goes three ways: the answer's ``text`` (through
+the stop strings), ``reasoning`` and ``tool_calls`` (from the output
+splitter), each held on the job until the next frame takes it, with the
+``logprobs`` of the tokens since the last frame.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipc.messages import FinishReason, Generate
+from ipc.messages import FinishReason, Generate, ToolCall
 from runner.guard import RequestGuard
 
 __all__ = ["Job"]
@@ -25,6 +30,8 @@ class Job:
     max_tokens: int
     clamped_to: int | None
     sampler: Any
+    processors: list[Any]  # mlx-lm logits processors, this request's own
+    splitter: Any  # an OutputSplitter (chat requests), or None: all is text
     guard: RequestGuard
     detokenizer: Any
     use_cache: bool
@@ -44,6 +51,14 @@ class Job:
     sent: int = 0  # characters of ``text`` sent
     sent_tokens: int = 0  # tokens its frames have covered
     sent_at: float = 0.0
+    shown: bool = False  # a frame has carried text, reasoning or tool calls
+    reasoning: str = ""  # reasoning text not sent yet
+    tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from its output
+    sent_calls: int = 0  # of ``tool_calls``, sent
+    logprobs: list[Any] = field(default_factory=list)  # PendingLogprobs of tokens not sent yet
+    output_ended: bool = False  # the splitter gave up what it held
+    invalid_tool_call: str | None = None  # tool-call text the model broke or cut short
+    processor_error: Exception | None = None  # what its logits processors raised
 
     @property
     def request_id(self) -> int:

@@ -21,7 +21,8 @@ import structlog
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from ipc.messages import NextTurnStats
+from ipc.messages import ChatMessage, ChatOptions, NextTurnStats
+from runner.chat_template import render_chat, template_turns
 from runner.guard import MemoryGuard, assess
 from runner.prefill_pacing import PrefillPacer
 from runner.prefix_cache import PrefixCache, PromptCache, cache_nbytes, prefix_view
@@ -38,20 +39,31 @@ NEXT_TURN_PROBES = ("A", "B")
 both next-turn renders share are the ones any next turn starts with."""
 
 
-def next_turn_prefix(tokenizer: Any, messages: Sequence[Any], answer: str) -> list[int]:
+def next_turn_prefix(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    answer: str | ChatMessage,
+    chat: ChatOptions | None = None,
+) -> list[int]:
     """The tokens every next request of this chat starts with: ``messages``,
-    then ``answer`` as the assistant's turn, then the template's header of
-    the next user turn, as the chat template renders the history (which may
-    differ from the tokens generated: a template may strip the answer, or
-    drop its reasoning). The last shared token is left out: a real user
-    line's first characters may tokenise together with it."""
-    turns = [{"role": m.role, "content": m.content} for m in messages]
-    turns.append({"role": "assistant", "content": answer})
+    then ``answer`` as the assistant's turn (its text, or the whole turn with
+    its tool calls), then the template's header of the next user turn, as
+    the chat template renders the history with ``chat``'s tools and template
+    arguments (which may differ from the tokens generated: a template may
+    strip the answer, or drop its reasoning). The last shared token is left
+    out: a real user line's first characters may tokenise together with it.
+
+    After tool calls the next turn is the tools' answers, not a user line:
+    the prefix cache then gives that request what it shares with this one
+    (the history and the assistant's turn)."""
+    chat = ChatOptions() if chat is None else chat
+    if isinstance(answer, str):
+        answer = ChatMessage("assistant", answer)
+    turns = template_turns([*messages, answer])
     first, second = (
-        list(tokenizer.apply_chat_template([*turns, {"role": "user", "content": probe}],
-                                           add_generation_prompt=True))
+        render_chat(tokenizer, [*turns, {"role": "user", "content": probe}], chat)
         for probe in NEXT_TURN_PROBES
-    )  # fmt: skip
+    )
     shared = 0
     for a, b in zip(first, second, strict=False):
         if a != b:
@@ -67,8 +79,9 @@ class NextTurn:
     ``tokens`` is worked out at its first step (not on the answer's way
     out); ``cache`` holds ``tokens[:done]`` while it is being computed."""
 
-    messages: Sequence[Any]
-    answer: str
+    messages: Sequence[ChatMessage]
+    answer: ChatMessage
+    chat: ChatOptions
     tokens: list[int] | None = None
     cache: PromptCache | None = None
     done: int = 0
@@ -117,12 +130,14 @@ class NextTurnPrefill:
     def stats(self) -> NextTurnStats:
         return NextTurnStats(len(self.turns), **self.counts)
 
-    def queue(self, messages: Sequence[Any], answer: str) -> None:
-        """Queue the prefill of this chat's next turn; past ``limit``
-        waiting, the oldest is dropped."""
+    def queue(self, messages: Sequence[ChatMessage], answer: ChatMessage,
+              chat: ChatOptions) -> None:  # fmt: skip
+        """Queue the prefill of this chat's next turn (``messages`` and the
+        assistant's ``answer``, rendered with ``chat``'s tools and template
+        arguments); past ``limit`` waiting, the oldest is dropped."""
         if len(self.turns) >= self.limit:
             self._drop(self.turns[0], "more chats answered than max_concurrent")
-        self.turns.append(NextTurn(messages, answer))
+        self.turns.append(NextTurn(messages, answer, chat))
 
     def step(self) -> None:
         """One chunk of the first waiting next-turn prefill (about
@@ -184,7 +199,7 @@ class NextTurnPrefill:
         holds it all but a token), or it could not be kept (then dropped)."""
         prefix_cache = self.prefix_cache
         if turn.tokens is None:
-            turn.tokens = next_turn_prefix(self.tokenizer, turn.messages, turn.answer)
+            turn.tokens = next_turn_prefix(self.tokenizer, turn.messages, turn.answer, turn.chat)
         match = prefix_cache.index.peek(turn.tokens)
         turn.done = match.reuse if match is not None else 0
         if turn.done >= len(turn.tokens) - 1:

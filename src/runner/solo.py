@@ -30,7 +30,7 @@ from runner.job import Job
 from runner.prefill_pacing import PrefillPacer
 from runner.prefix_cache import PromptCache
 
-__all__ = ["Solo", "SoloPath"]
+__all__ = ["Solo", "SoloPath", "whole_sequence"]
 
 
 @dataclass(eq=False)
@@ -61,7 +61,7 @@ class SoloPath:
 
         def _fetch(self, job: Job) -> PromptCache | None: ...
         def _on_token(
-            self, job: Job, token: int, batch_finish: str | None
+            self, job: Job, token: int, batch_finish: str | None, logprobs: Any
         ) -> FinishReason | None: ...
         def _finish(
             self, job: Job, finish: FinishReason, cache: PromptCache | None = None
@@ -106,13 +106,16 @@ class SoloPath:
             self._finish(job, "cancelled" if stop is None else "memory_pressure")
             return
         if left <= 0:
+            last = solo.rest[solo.prefilled :]
             solo.steps = generate_step(
-                mx.array(solo.rest[solo.prefilled :]),
+                mx.array(last),
                 self.model,
                 max_tokens=job.max_tokens,
                 sampler=job.sampler,
+                logits_processors=whole_sequence(job.processors,
+                                                 job.prompt[: len(job.prompt) - len(last)]),
                 prompt_cache=solo.cache,
-            )
+            )  # fmt: skip
             return
         chunk = solo.rest[solo.prefilled : solo.prefilled + size]
         self._announce("prefill", self.pacer.expected_s(len(chunk)))
@@ -137,7 +140,7 @@ class SoloPath:
                 self._fail_solo(job, exc)
             return
         try:
-            token, _ = next(solo.steps)
+            token, logprobs = next(solo.steps)
         except StopIteration:  # max_tokens reached (we stop before it does)
             self.solo = None
             self._finish(job, "length", cache=solo.cache)
@@ -147,7 +150,7 @@ class SoloPath:
             self._fail_solo(job, exc)
             return
         try:
-            finish = self._on_token(job, token, None)
+            finish = self._on_token(job, token, None, logprobs)
         except Exception as exc:
             solo.steps.close()
             self.solo = None
@@ -176,3 +179,27 @@ class SoloPath:
         if self.group is not None:
             raise exc
         self._fail(job, exc)
+
+
+def whole_sequence(processors: list[Any], head: list[int]) -> list[Any]:
+    """``processors`` shown the whole sequence, ``head`` (the prompt tokens
+    ``generate_step`` was not given) before what it passes them.
+
+    ``generate_step`` shows its processors only the tokens it was given (here
+    the prompt's last, as the prompt is prefilled in chunks before it) and
+    those it made; ``BatchGenerator`` shows the whole sequence. Shown the same
+    on both paths, penalties reach into the prompt alike (as in mlx-lm's own
+    ``generate``), and a position has the same length on both, which is how
+    :func:`runner.engine.contained` knows the position a batch computes again
+    when a lone request moves into it."""
+    if not processors or not head:
+        return processors
+    prefix = mx.array(head, dtype=mx.int32)
+
+    def with_head(tokens: mx.array, logits: mx.array) -> mx.array:
+        sequence = mx.concatenate([prefix, tokens.astype(mx.int32)])
+        for processor in processors:
+            logits = processor(sequence, logits)
+        return logits
+
+    return [with_head]

@@ -23,7 +23,7 @@ PREFIX = "mlx_supervisor"
 UNKNOWN_MODEL = "(unknown)"  # requests naming no model we have: never a client's string
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RUNNER_STATES: tuple[RunnerState, ...] = get_args(RunnerState)
-OK_FINISHES = frozenset({"stop", "length"})
+OK_FINISHES = frozenset({"stop", "length", "tool_calls"})  # a whole answer, as the model ended it
 
 
 class Metrics:
@@ -34,8 +34,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             f"{PREFIX}_requests",
-            "Generate requests by how they ended: ok, cancelled, memory_pressure, "
-            "or the error code.",
+            "Generate requests by how they ended: ok (tool calls included), cancelled, "
+            "memory_pressure, or the error code.",
             ["model", "outcome"],
             registry=self.registry,
         )
@@ -54,7 +54,8 @@ class Metrics:
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
-            "From a request reaching the registry to its first text, waiting in line included.",
+            "From a request reaching the registry to its first output (text, reasoning or a "
+            "tool call), waiting in line included.",
             ["model"],
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
@@ -80,20 +81,28 @@ class Metrics:
 
 
 class RequestRecord:
-    """One request's way through the registry: its first text, its end."""
+    """One request's way through the registry: its first output, its end.
+
+    A generation cancelled after a tool call counts as ok: the OpenAI front
+    cancels it there itself when ``parallel_tool_calls`` is false (and
+    answers ``finish_reason`` "tool_calls"), so the answer was whole; the
+    registry cannot tell that cancel from a client leaving after a call,
+    which is counted ok too."""
 
     def __init__(self, metrics: Metrics, model: str) -> None:
         self.metrics = metrics
         self.model = model
         self.started = time.monotonic()
-        self.first_text_seen = False
+        self.first_output_seen = False
+        self.called_tools = False
         self.outcome: str | None = None
 
     def observe(self, event: TextChunk | GenerationDone) -> None:
         """Note a frame on its way to the client."""
         if isinstance(event, TextChunk):
-            if not self.first_text_seen and event.text:
-                self.first_text_seen = True
+            self.called_tools = self.called_tools or bool(event.tool_calls)
+            if not self.first_output_seen and (event.text or event.reasoning or event.tool_calls):
+                self.first_output_seen = True
                 elapsed = time.monotonic() - self.started
                 self.metrics.ttft.labels(self.model).observe(elapsed)
             return
@@ -102,7 +111,8 @@ class RequestRecord:
         self.metrics.cached_tokens.labels(model).inc(event.cached_tokens)
         self.metrics.generated_tokens.labels(model).inc(event.generation_tokens)
         reason = event.finish_reason
-        self.finish("ok" if reason in OK_FINISHES else reason)
+        whole = reason in OK_FINISHES or (reason == "cancelled" and self.called_tools)
+        self.finish("ok" if whole else reason)
 
     def finish(self, outcome: str) -> None:
         """Count the request once, under ``outcome`` (later calls are ignored)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from ipc.messages import ChatMessage, GenerationDone
+from supervisor.cli.render import AnswerPrinter
 from supervisor.client import Client, ClientError, DaemonUnreachable
 
 PROMPT = ">>> "
@@ -58,6 +59,7 @@ class ChatSession:
         """
         self.history.append(ChatMessage("user", text))
         pieces: list[str] = []
+        printer = AnswerPrinter(self.out)
         try:
             gen = self.client.generate(
                 self.name,
@@ -69,16 +71,17 @@ class ChatSession:
                 try:
                     for piece in gen:
                         pieces.append(piece)
-                        self.out.write(piece)
-                        self.out.flush()
+                        printer.write(gen.chunk.reasoning if gen.chunk else "", piece)
                 except KeyboardInterrupt:
                     gen.cancel()
                     for piece in gen:  # the frames already on their way
                         pieces.append(piece)
-                        self.out.write(piece)
+                        printer.write(gen.chunk.reasoning if gen.chunk else "", piece)
         except BaseException:
+            printer.end_thought()
             self.history.pop()
             raise
+        printer.end_thought()
         self.out.write("\n")
         done = gen.done
         assert done is not None
@@ -87,7 +90,9 @@ class ChatSession:
         elif done.finish_reason == "length":
             self.out.write(f"[answer cut at {done.generation_tokens} tokens: --max-tokens]\n")
         self.out.flush()
-        self.history.append(ChatMessage("assistant", "".join(pieces)))
+        self.history.append(
+            ChatMessage("assistant", "".join(pieces), reasoning=gen.reasoning or None)
+        )
         return done
 
 

@@ -19,7 +19,7 @@ import msgspec
 
 from ipc.messages import ChatMessage
 from supervisor import __version__
-from supervisor.cli.render import ProgressPrinter, status_table
+from supervisor.cli.render import AnswerPrinter, ProgressPrinter, status_table
 from supervisor.client import Client, ClientError, DaemonUnreachable
 from supervisor.config import ConfigError, load_config
 from supervisor.daemon.paths import SOCKET_ENV, default_config_path, default_socket_path
@@ -128,15 +128,17 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
         cache=not args.no_cache,
         stop=args.stop,
     )
+    printer = AnswerPrinter(sys.stdout)  # a thinking model's thought first, marked
     with gen:
         try:
             for text in gen:
-                sys.stdout.write(text)
-                sys.stdout.flush()
+                printer.write(gen.chunk.reasoning if gen.chunk else "", text)
         except KeyboardInterrupt:
             gen.cancel()
             for text in gen:
-                sys.stdout.write(text)
+                printer.write(gen.chunk.reasoning if gen.chunk else "", text)
+        finally:
+            printer.end_thought()
     done = gen.done
     assert done is not None
     sys.stdout.write("\n")
@@ -153,6 +155,8 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
             "detail": done.detail,
             "cached_tokens": done.cached_tokens,
             "batched": done.batched,
+            "reasoning": gen.reasoning,
+            "reasoning_tokens": done.reasoning_tokens,
         }
         sys.stdout.write(json.dumps(summary) + "\n")
     if done.max_tokens_clamped_to is not None:

@@ -1,10 +1,11 @@
-"""What the command line prints: the status table, the memory line, and load
-progress (bars on a terminal, lines elsewhere)."""
+"""What the command line prints: the status table, the memory line, load
+progress (bars on a terminal, lines elsewhere), and a streaming answer."""
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -12,7 +13,7 @@ from tqdm import tqdm
 from ipc.messages import LoadProgress, RankInfo, RunnerInfo, StatusReply
 from supervisor.units import format_bytes, format_duration
 
-__all__ = ["ProgressPrinter", "memory_line", "status_table"]
+__all__ = ["AnswerPrinter", "ProgressPrinter", "memory_line", "status_table"]
 
 
 def status_table(status: StatusReply) -> str:
@@ -163,3 +164,49 @@ def _progress_line(p: LoadProgress) -> str:
     if p.phase == "fetch" and p.total > 1:
         return f"loading {_who(p)}: fetch {format_bytes(p.done)} of {format_bytes(p.total)}"
     return f"loading {_who(p)}: {p.phase}"
+
+
+THINKING, DONE_THINKING = "[thinking]\n", "[done thinking]\n"
+DIM, PLAIN = "\033[2m", "\033[0m"
+
+
+@dataclass
+class AnswerPrinter:
+    """Writes an answer as it streams: a thinking model's thought first,
+    between ``[thinking]`` and ``[done thinking]`` lines (dimmed on a
+    terminal), then the text. The runner keeps the thought out of the text,
+    so it is shown here or not at all. The newlines a template puts around
+    a thought are left out of the display only (the history keeps them)."""
+
+    out: TextIO
+    thinking: bool = False
+    line_open: bool = False  # the last thing written does not end its line
+    trim: bool = False  # at a thought's start or just after it: leading newlines go
+
+    def write(self, reasoning: str, text: str) -> None:
+        """Show one frame's thought (if any), then its text."""
+        if reasoning:
+            if not self.thinking:
+                self.out.write(THINKING + (DIM if self.out.isatty() else ""))
+                self.thinking = self.trim = True
+            self._write(reasoning)
+        if text:
+            self.end_thought()
+            self._write(text)
+        self.out.flush()
+
+    def _write(self, piece: str) -> None:
+        if self.trim:
+            piece = piece.lstrip("\n")
+            self.trim = not piece
+        if piece:
+            self.out.write(piece)
+            self.line_open = not piece.endswith("\n")
+
+    def end_thought(self) -> None:
+        """Close the thought, if one is open (the answer ended inside it)."""
+        if self.thinking:
+            plain = PLAIN if self.out.isatty() else ""
+            self.out.write(plain + ("\n" if self.line_open else "") + DONE_THINKING)
+            self.thinking = self.line_open = False
+            self.trim = True

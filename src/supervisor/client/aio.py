@@ -38,7 +38,8 @@ R = TypeVar("R")
 
 class AsyncGeneration(GenerationState):
     """A streaming generation: ``async for`` the text; ``done`` holds the stats
-    at the end. It connects when first iterated (``ttft_s`` counts from there).
+    at the end, and ``reasoning``, ``tool_calls`` and ``logprobs`` the answer's
+    other parts. It connects when first iterated (``ttft_s`` counts from there).
 
     Cancelling the caller, leaving ``async with`` or :meth:`aclose` drops the
     connection, which cancels the generation in the runner.

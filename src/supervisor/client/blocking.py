@@ -35,10 +35,12 @@ R = TypeVar("R")
 
 
 class Generation(GenerationState):
-    """A streaming generation: iterate for text; ``done`` holds the stats at the end.
+    """A streaming generation: iterate for text; ``done`` holds the stats at the
+    end, and ``reasoning``, ``tool_calls`` and ``logprobs`` the answer's other
+    parts (:class:`~supervisor.client.commands.GenerationState`).
 
     ``ttft_s`` is measured here, from the call (connect and handshake
-    included) to the first text frame.
+    included) to the first frame of output (text, reasoning or tool calls).
     """
 
     def __init__(self, client: Client, request: GenerateRequest) -> None:

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
+import msgspec
+
 from ipc.messages import (
     CacheCleared,
     CacheClearRequest,
     ChatMessage,
+    ChatOptions,
     ClientMessage,
     ErrorReply,
     GenerateRequest,
@@ -37,6 +40,8 @@ from ipc.messages import (
     StatusReply,
     StatusRequest,
     TextChunk,
+    TokenLogprob,
+    ToolCall,
     Unloaded,
     UnloadRequest,
 )
@@ -144,16 +149,24 @@ def generate(
     seed: int | None = None,
     cache: bool = True,
     stop: Sequence[str] = (),
+    sampling: SamplingParams | None = None,
+    options: ChatOptions | None = None,
 ) -> GenerateRequest:
-    """Start a generation; iterate the result for text pieces. ``cache``
+    """Start a generation; iterate the result for text pieces (its
+    ``reasoning``, ``tool_calls`` and ``logprobs`` gather on it). ``cache``
     False: the request neither uses nor fills the model's prefix cache.
     ``stop``: the text ends before the first of these strings. Chat turns
-    may be dicts with role and content."""
+    may be dicts with role and content. ``sampling``, when given, stands for
+    all the sampling arguments (it has every knob: top_k, logit_bias,
+    logprobs, ...); ``options``: tools, tool_choice, response_format and
+    chat template arguments."""
     chat = None
     if messages is not None:
-        chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
-    sampling = SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop))
-    return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache)
+        chat = [msgspec.convert(m, ChatMessage) if isinstance(m, dict) else m for m in messages]
+    if sampling is None:
+        sampling = SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop))
+    return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache,
+                           chat=options or ChatOptions())  # fmt: skip
 
 
 GENERATE_TEXT_DOC = """Generate to the end; return the whole text and the final stats.
@@ -163,8 +176,17 @@ Takes the arguments of ``generate``."""
 class GenerationState:
     """The reading of a generation's replies: ``done`` holds the stats at the end.
 
+    The text is what iterating gives; the other parts of the answer gather
+    here as they come: ``reasoning`` (a thinking model's thought, which the
+    runner keeps out of the text), ``tool_calls`` (the calls the model made,
+    parsed) and ``logprobs`` (one entry per token, when the sampling asked
+    for them). ``chunk`` is the last frame read, for a caller that shows the
+    parts as they come (a frame of reasoning or calls alone gives an empty
+    text piece).
+
     ``ttft_s`` is measured from ``started`` (set when the client starts the
-    call: connect and handshake included) to the first text frame.
+    call: connect and handshake included) to the first frame of output, of
+    any kind.
     """
 
     def __init__(self) -> None:
@@ -173,10 +195,20 @@ class GenerationState:
         self.tokens = 0
         self.position: int | None = None  # place in the model's queue while waiting
         self.done: GenerationDone | None = None
+        self.chunk: TextChunk | None = None
+        self.tool_calls: list[ToolCall] = []
+        self.logprobs: list[TokenLogprob] = []
+        self._reasoning: list[str] = []
+
+    @property
+    def reasoning(self) -> str:
+        """The thought so far (empty for a model that does not think)."""
+        return "".join(self._reasoning)
 
     def feed(self, message: ServerMessage) -> str | None:
-        """Read one reply: its text, or None (a queue position; or the end,
-        and then ``done`` is set).
+        """Read one reply: its text (empty for a frame of reasoning, tool
+        calls or logprobs alone), or None (a queue position; or the end, and
+        then ``done`` is set).
 
         Raises:
             ClientError: the daemon answered with an error, or with a message
@@ -190,6 +222,11 @@ class GenerationState:
             if self.ttft_s is None:
                 self.ttft_s = time.perf_counter() - self.started
             self.tokens = message.generation_tokens
+            self.chunk = message
+            if message.reasoning:
+                self._reasoning.append(message.reasoning)
+            self.tool_calls += message.tool_calls or []
+            self.logprobs += message.logprobs or []
             return message.text
         if isinstance(message, GenerationDone):
             self.done = message

@@ -332,8 +332,9 @@ class RequestRelay:
         stream = handle.open_request(request_id)
         try:
             command = Generate(
-                request_id, request.prompt, request.messages, request.sampling, request.cache
-            )
+                request_id, request.prompt, request.messages, request.sampling, request.cache,
+                request.chat,
+            )  # fmt: skip
             await handle.send(command)
             client_gone = False
             held: tuple[RequestEvent, bytes] | None = None
@@ -353,8 +354,7 @@ class RequestRelay:
                             break
                         chunks.append(item[0])
                     if len(chunks) > 1:  # the client fell behind: one frame for them all
-                        text = "".join(chunk.text for chunk in chunks)
-                        event = TextChunk(request_id, text, chunks[-1].generation_tokens)
+                        event = merged_chunks(request_id, chunks)
                         relayed = None
                 if not client_gone:
                     try:
@@ -367,3 +367,18 @@ class RequestRelay:
                     return
         finally:
             stream.close()
+
+
+def merged_chunks(request_id: int, chunks: list[TextChunk]) -> TextChunk:
+    """One frame for the chunks a client fell behind on: every field of each,
+    in order (text, reasoning, tool calls, logprobs), none dropped."""
+    tool_calls = [call for chunk in chunks for call in chunk.tool_calls or []]
+    logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
+    return TextChunk(
+        request_id,
+        "".join(chunk.text for chunk in chunks),
+        chunks[-1].generation_tokens,
+        reasoning="".join(chunk.reasoning for chunk in chunks),
+        tool_calls=tool_calls or None,
+        logprobs=logprobs or None,
+    )

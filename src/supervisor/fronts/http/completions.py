@@ -27,6 +27,7 @@ from supervisor.fronts.http.openai import (
     CompletionCall,
     CompletionRequest,
     Reply,
+    broken_tool_call,
     completion_call,
 )
 from supervisor.fronts.http.requests import ApiKey, read_json
@@ -142,34 +143,42 @@ class Completions:
         self, call: CompletionCall, entry: ModelEntry, writer: ResponseWriter, cancel: anyio.Event
     ) -> None:
         """Run the generation and write it: as events while it streams, or
-        whole at the end. A client that leaves cancels it in the runner."""
+        whole at the end. A client that leaves cancels it in the runner; so
+        does the model's first tool call when the request allows only one
+        (``parallel_tool_calls`` false): the answer ends there."""
         max_tokens = call.max_tokens or entry.spec.max_tokens or self.config.max_tokens
         request = GenerateRequest(
             name=entry.name, prompt=call.prompt, messages=call.messages,
             sampling=msgspec.structs.replace(call.sampling, max_tokens=max_tokens),
+            chat=call.options,
         )  # fmt: skip
-        reply = Reply(call.chat, entry.name, call.include_usage)
-        texts: list[str] = []
+        reply = Reply(call.chat, entry.name, call.include_usage, call.sampling.logprobs)
+        limit_calls = 1 if call.single_tool_call else None
         dones: list[GenerationDone] = []
         queued: Mailbox[int] = Mailbox()
+        cut = False  # ended at its first tool call: what follows is not the answer
 
         async def write(chunk: dict[str, Any] | None) -> None:
             if chunk is not None:
                 await writer.event(ENCODER.encode(chunk))
 
         async def emit(event: TextChunk | GenerationDone, body: bytes | None) -> None:
+            nonlocal cut
             queued.close()  # no place in line after the first word
-            if cancel.is_set():  # the client left: take the rest quietly (the metrics count it)
+            if cancel.is_set() and not cut:  # the client left: take the rest quietly
                 return
             if isinstance(event, GenerationDone):
                 dones.append(event)
-            elif not call.stream:
-                texts.append(event.text)
-            elif event.text:
-                if not texts:  # the stream's first words: the role first
-                    await write(reply.role_chunk())
-                texts.append(event.text)
-                await write(reply.text_chunk(event.text))
+                return
+            if cut:
+                return
+            chunk = reply.add(event, limit_calls)
+            if limit_calls is not None and len(reply.tool_calls) >= limit_calls:
+                cut = True
+                cancel.set()
+            if call.stream and chunk is not None:
+                await write(reply.role_chunk())  # the stream's first words: the role first
+                await write(chunk)
 
         async def tell_place() -> None:
             if call.stream:
@@ -178,16 +187,19 @@ class Completions:
         await beside(tell_place, functools.partial(
             self.registry.generate, request, emit, cancel, on_queued=queued.put
         ))  # fmt: skip
-        if cancel.is_set() or writer.gone:
+        if writer.gone or (cancel.is_set() and not cut):
             return  # the client left: nothing to write
         if not dones:
             raise RequestError("internal", "the generation ended without its last frame")
         done = dones[0]
+        if cut:  # a call the runner wrote before the cancel reached it is past the answer
+            done = msgspec.structs.replace(done, invalid_tool_call=None)
+        if (broken := broken_tool_call(done)) is not None:
+            raise broken  # a stream's last event, or the response
         if not call.stream:
-            await writer.whole(200, ENCODER.encode(reply.whole("".join(texts), done)))
+            await writer.whole(200, ENCODER.encode(reply.whole(done)))
             return
-        if not texts:
-            await write(reply.role_chunk())
+        await write(reply.role_chunk())
         await write(reply.end_chunk(done))
         if call.include_usage:
             await writer.event(ENCODER.encode(reply.usage_chunk(done)))

@@ -83,13 +83,20 @@ class ApiError(Exception):
 
 
 def validation_error(exc: msgspec.MsgspecError) -> ApiError:
-    """A 400 for a body msgspec refused, naming the field when it can."""
+    """A 400 for a body msgspec refused, naming the field when it can: a
+    field the body's struct does not have is ``unsupported parameter: X``
+    (``X`` with its path when nested: ``messages[0].audio``)."""
     text = str(exc)
-    if isinstance(exc, msgspec.ValidationError):
-        found = re.search(r"at `\$\.([A-Za-z_]+)", text) or re.search(r"field `(\w+)`", text)
-        param = found.group(1) if found else None
-        return ApiError(400, f"invalid request: {text}", code="bad_request", param=param)
-    return ApiError(400, f"invalid JSON: {text}", code="bad_request")
+    if not isinstance(exc, msgspec.ValidationError):
+        return ApiError(400, f"invalid JSON: {text}", code="bad_request")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+?)`(?: - at `\$\.(.+)`)?", text)
+    if unknown is not None:
+        field, path = unknown.groups()
+        param = f"{path}.{field}" if path else field
+        return ApiError(400, f"unsupported parameter: {param}", code="bad_request", param=param)
+    found = re.search(r"`\$\.([A-Za-z_]+)", text) or re.search(r"field `(\w+)`", text)
+    param = found.group(1) if found else None
+    return ApiError(400, f"invalid request: {text}", code="bad_request", param=param)
 
 
 def internal_error(exc: Exception) -> ApiError:

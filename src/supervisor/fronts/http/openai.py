@@ -1,19 +1,36 @@
 """The OpenAI API's shapes: the request bodies of chat and text completions,
 the one request they translate into, and the objects of a reply (whole, or
-chunk by chunk while it streams). What cannot be honoured (images, n > 1,
-several prompts) is a 400 that names the field.
+chunk by chunk while it streams).
+
+Every field of a body is either honoured or refused: a field we do not know,
+or cannot honour (images, ``n`` > 1, several prompts, ``echo``), is a 400
+naming it, because a parameter dropped in silence gives an answer the client
+did not ask for and no way to tell. The few fields that change nothing about
+the tokens (``user``, ``metadata``, ...) are accepted and ignored on purpose:
+:data:`IGNORED_FIELDS`.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from ipc.messages import ChatMessage, GenerationDone, SamplingParams
+from ipc.messages import (
+    ChatMessage,
+    ChatOptions,
+    GenerationDone,
+    NamedTool,
+    ResponseFormat,
+    SamplingParams,
+    TextChunk,
+    TokenLogprob,
+    ToolCall,
+    ToolChoiceMode,
+)
 from supervisor import __version__
 from supervisor.fronts.http.errors import ApiError
 from supervisor.registry.registry import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -28,38 +45,153 @@ FINISH_REASONS = {
     "memory_pressure": "length",  # cut short for want of memory, as for want of room
     "cancelled": "stop",
     "error": "stop",
+    "tool_calls": "tool_calls",
 }
+
+CUT_SHORT = ("length", "memory_pressure", "cancelled")  # ended by us, not by the model
+
+IGNORED_FIELDS: tuple[str, ...] = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+)
+"""Request fields accepted and ignored on purpose: they label or route a
+request on OpenAI's side and change nothing about the tokens (our prefix
+cache needs no ``prompt_cache_key``). Every other field we do not honour is a
+400. The README's OpenAI section lists these; :class:`Ignored` declares them."""
+
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI takes 300
 
 
 # --- request bodies --------------------------------------------------------------
-# Unknown fields are ignored: clients send many (tools, logprobs, user, ...).
+# Unknown fields are refused (forbid_unknown_fields): errors.validation_error
+# turns msgspec's message into "unsupported parameter: X".
 
 MaxTokens = Annotated[int, Meta(ge=1, le=1 << 31)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Unit = Annotated[float, Meta(ge=0, le=1)]
+ContextSize = Annotated[int, Meta(ge=1, le=1 << 20)]
+LogitBias = Annotated[
+    dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]],
+    Meta(max_length=MAX_LOGIT_BIAS),
+]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request object whose unknown fields are a 400, not ignored."""
+
+
+class Ignored(Strict, kw_only=True):
+    """The fields of :data:`IGNORED_FIELDS` (a test keeps the two the same)."""
+
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
 
 
 class TextPart(msgspec.Struct):
-    """One part of a message's content; only text parts are understood."""
+    """One part of a message's content; only text parts are understood (the
+    type is checked by itself, so that an image part is refused by name)."""
 
     type: str
     text: str | None = None
 
 
-class ChatTurn(msgspec.Struct):
+Content = str | list[TextPart] | None
+
+
+class FunctionCall(Strict, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallTurn(Strict, kw_only=True):
+    """A tool call in an assistant turn of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatTurn(Strict, kw_only=True):
+    """One message of a chat. ``reasoning_content`` (or mlx_lm.server's
+    ``reasoning``) is an assistant turn's thinking as our replies gave it;
+    ``refusal`` is taken only empty, as the openai client sends back an
+    OpenAI answer."""
+
     role: str
-    content: str | list[TextPart] | None = None
+    content: Content = None
+    name: str | None = None
+    tool_calls: list[ToolCallTurn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(Strict, kw_only=True):
     include_usage: bool | None = None
 
 
-class CompletionFields(msgspec.Struct, kw_only=True):
-    """What chat and text completions share."""
+class FunctionName(Strict, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Strict, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchema(Strict, kw_only=True):
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # enforced either way: the grammar allows nothing else
+
+
+class TextFormat(Strict, tag="text", tag_field="type", kw_only=True):
+    pass
+
+
+class JsonObjectFormat(Strict, tag="json_object", tag_field="type", kw_only=True):
+    pass
+
+
+class JsonSchemaFormat(Strict, tag="json_schema", tag_field="type", kw_only=True):
+    json_schema: JsonSchema
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
+class CompletionFields(Ignored, kw_only=True):
+    """What chat and text completions share: the model, the length, and the
+    sampler and logits processors of mlx-lm (``top_k``, ``min_p``, the
+    penalties, ``logit_bias``, XTC, as mlx_lm.server takes them)."""
 
     model: str
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: Unit | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    min_p: Unit | None = None
+    repetition_penalty: Annotated[float, Meta(ge=0)] | None = None
+    repetition_context_size: ContextSize | None = None
+    presence_penalty: Penalty | None = None
+    presence_context_size: ContextSize | None = None
+    frequency_penalty: Penalty | None = None
+    frequency_context_size: ContextSize | None = None
+    logit_bias: LogitBias | None = None
+    xtc_probability: Unit | None = None
+    xtc_threshold: Unit | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -70,10 +202,20 @@ class CompletionFields(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(CompletionFields, kw_only=True):
     messages: list[ChatTurn]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoiceMode | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    max_reasoning_tokens: Annotated[int, Meta(ge=0, le=1 << 31)] | None = None
 
 
 class CompletionRequest(CompletionFields, kw_only=True):
     prompt: str | list[str]
+    logprobs: TopLogprobs | None = None  # the legacy API's count of alternatives
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -87,38 +229,288 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="bad_request")
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}  # fmt: skip
+"""OpenAI's roles as chat templates know them: ``developer`` is OpenAI's
+newer name for ``system``, which most open models' templates do not know."""
+
+
+def text_of(content: Content, param: str) -> str:
+    """A message's content as text. Raises ApiError for non-text parts."""
+    if not isinstance(content, list):
+        return content or ""
+    kinds = {part.type for part in content} - {"text"}
+    if kinds:
+        raise bad(param, f"only text content is supported, not {', '.join(sorted(kinds))}")
+    return "".join(part.text or "" for part in content)
+
+
 def chat_messages(turns: list[ChatTurn]) -> list[ChatMessage]:
-    """The turns as the runner takes them: text content only. Raises ApiError."""
+    """The turns as the runner takes them: text content, an assistant's tool
+    calls (their arguments must be JSON), a tool turn's answer to one call.
+    Raises ApiError."""
     if not turns:
-        raise ApiError(400, "messages is empty", param="messages", code="bad_request")
+        raise bad("messages", "messages is empty")
     messages = []
-    for turn in turns:
-        content = turn.content
-        if isinstance(content, list):
-            kinds = {part.type for part in content} - {"text"}
-            if kinds:
-                raise ApiError(
-                    400, f"only text content is supported, not {', '.join(sorted(kinds))}",
-                    param="messages", code="bad_request",
-                )  # fmt: skip
-            content = "".join(part.text or "" for part in content)
-        messages.append(ChatMessage(turn.role, content or ""))
+    for i, turn in enumerate(turns):
+        where = f"messages[{i}]"
+        role = ROLES.get(turn.role)
+        if role is None:
+            raise bad(f"{where}.role", f"unsupported role {turn.role!r} (one of "
+                      f"{', '.join(ROLES)})")  # fmt: skip
+        calls = None
+        if turn.tool_calls:
+            if role != "assistant":
+                raise bad(f"{where}.tool_calls", "only an assistant turn has tool_calls")
+            calls = []
+            for j, call in enumerate(turn.tool_calls):
+                try:
+                    msgspec.json.decode(call.function.arguments)
+                except msgspec.DecodeError:
+                    raise bad(f"{where}.tool_calls[{j}].function.arguments",
+                              "a tool call's arguments must be JSON text") from None  # fmt: skip
+                calls.append(ToolCall(call.id, call.function.name, call.function.arguments))
+        if role == "tool" and not turn.tool_call_id:
+            raise bad(f"{where}.tool_call_id", "a tool turn names the call it answers")
+        messages.append(ChatMessage(
+            role, text_of(turn.content, f"{where}.content"), tool_calls=calls,
+            tool_call_id=turn.tool_call_id if role == "tool" else None, name=turn.name,
+            reasoning=turn.reasoning_content or turn.reasoning,
+        ))  # fmt: skip
     return messages
+
+
+def tool_names(tools: list[dict[str, Any]]) -> list[str]:
+    """The names of OpenAI function tools. Raises ApiError for any other kind."""
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise bad(f"tools[{i}]", 'only {"type": "function", "function": {...}} tools '
+                      "are supported")  # fmt: skip
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad(f"tools[{i}].function.name", "a function tool needs a name")
+        names.append(name)
+    return names
+
+
+def chat_options(body: ChatCompletionRequest) -> ChatOptions:
+    """Tools, tool choice, answer format and template arguments, checked.
+    ``reasoning_effort`` goes to the chat template as the variable of that
+    name (gpt-oss's reads it), and ``"none"`` as ``enable_thinking=False``
+    (Qwen3's and most thinking templates), unless chat_template_kwargs says
+    otherwise. Raises ApiError."""
+    names = tool_names(body.tools or [])
+    choice: ToolChoiceMode | NamedTool = "auto"
+    if isinstance(body.tool_choice, NamedToolChoice):
+        name = body.tool_choice.function.name
+        if name not in names:
+            raise bad("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+        choice = NamedTool(name)
+    elif body.tool_choice is not None:
+        choice = body.tool_choice
+    if choice == "required" and not names:
+        raise bad("tool_choice", 'tool_choice "required" needs tools')
+    form = body.response_format
+    response_format = None
+    if isinstance(form, JsonObjectFormat):
+        response_format = ResponseFormat("json_object")
+    elif isinstance(form, JsonSchemaFormat):
+        spec = form.json_schema  # without a schema (OpenAI allows it): any JSON object
+        kind: Literal["json_object", "json_schema"] = "json_object"
+        if spec.schema is not None:
+            kind = "json_schema"
+        response_format = ResponseFormat(kind, spec.schema, spec.name)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        if body.reasoning_effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return ChatOptions(
+        tools=body.tools or None, tool_choice=choice, response_format=response_format,
+        chat_template_kwargs=kwargs or None,
+    )  # fmt: skip
+
+
+def sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
+    """The body's sampler and logits processors (max_tokens is set later,
+    once the model's cap is known). A penalty of 0 is no penalty, as in
+    mlx_lm.server."""
+    defaults = SamplingParams()
+
+    def given(value: float | None) -> float | None:
+        return value if value else None
+
+    def chosen(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        temperature=chosen(body.temperature, defaults.temperature),
+        top_p=chosen(body.top_p, defaults.top_p),
+        seed=body.seed,
+        stop=stop_strings(body.stop),
+        top_k=chosen(body.top_k, defaults.top_k),
+        min_p=chosen(body.min_p, defaults.min_p),
+        repetition_penalty=given(body.repetition_penalty),
+        repetition_context_size=chosen(
+            body.repetition_context_size, defaults.repetition_context_size
+        ),
+        presence_penalty=given(body.presence_penalty),
+        presence_context_size=chosen(body.presence_context_size, defaults.presence_context_size),
+        frequency_penalty=given(body.frequency_penalty),
+        frequency_context_size=chosen(body.frequency_context_size, defaults.frequency_context_size),
+        logit_bias=body.logit_bias or None,
+        xtc_probability=chosen(body.xtc_probability, defaults.xtc_probability),
+        xtc_threshold=chosen(body.xtc_threshold, defaults.xtc_threshold),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        max_reasoning_tokens=getattr(body, "max_reasoning_tokens", None),
+    )
+
+
+class CompletionCall(msgspec.Struct, kw_only=True):
+    """A completion request, checked, waiting for its model.
+    ``single_tool_call``: ``parallel_tool_calls`` false, so the answer ends at
+    the model's first tool call."""
+
+    chat: bool
+    model: str
+    messages: list[ChatMessage] | None
+    prompt: str | None
+    max_tokens: int | None
+    sampling: SamplingParams
+    options: ChatOptions = ChatOptions()
+    stream: bool
+    include_usage: bool
+    single_tool_call: bool = False
+
+
+def completion_call(body: ChatCompletionRequest | CompletionRequest) -> CompletionCall:
+    """The request a chat or text completion's body asks for, checked.
+    Raises ApiError."""
+    if body.n not in (None, 1):
+        raise bad("n", "only n = 1 is supported")
+    options = body.stream_options
+    include_usage = bool(options is not None and options.include_usage)
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        sampling = sampling_params(body, bool(body.logprobs), body.top_logprobs or 0)
+        return CompletionCall(
+            chat=True, model=body.model, messages=chat_messages(body.messages), prompt=None,
+            max_tokens=body.max_completion_tokens or body.max_tokens, sampling=sampling,
+            options=chat_options(body), stream=bool(body.stream), include_usage=include_usage,
+            single_tool_call=body.parallel_tool_calls is False and bool(body.tools),
+        )  # fmt: skip
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad("prompt", "give one prompt per request")
+        prompt = prompt[0]
+    sampling = sampling_params(body, body.logprobs is not None, body.logprobs or 0)
+    return CompletionCall(
+        chat=False, model=body.model, messages=None, prompt=prompt, max_tokens=body.max_tokens,
+        sampling=sampling, stream=bool(body.stream), include_usage=include_usage,
+    )  # fmt: skip
 
 
 # --- answers -----------------------------------------------------------------------
 
 
+def token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="surrogatepass"))
+
+
+def entry_bytes(entry: TokenLogprob) -> list[int]:
+    """The token's own bytes: as the runner sent them for a token that holds
+    part of a character, else its text's UTF-8."""
+    return entry.bytes if entry.bytes is not None else token_bytes(entry.token)
+
+
+def chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """One token's entry of a chat answer's ``logprobs.content``."""
+    top_bytes = entry.top_bytes or [None] * len(entry.top)
+    top = [{"token": t, "logprob": p, "bytes": b if b is not None else token_bytes(t)}
+           for (t, p), b in zip(entry.top, top_bytes, strict=False)]  # fmt: skip
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": entry_bytes(entry),
+        "top_logprobs": top,
+    }
+
+
+class TextLogprobs:
+    """A text completion's ``logprobs`` (the legacy API's four parallel
+    lists); ``text_offset`` counts characters from the completion's start."""
+
+    def __init__(self) -> None:
+        self.answer = b""  # the completion's bytes so far
+
+    def of(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        offsets = []
+        for entry in entries:
+            # Characters before this token: a token that ends mid-character adds
+            # none until the token that completes it.
+            offsets.append(len(self.answer.decode("utf-8", errors="ignore")))
+            self.answer += bytes(entry_bytes(entry))
+        return {
+            "tokens": [entry.token for entry in entries],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [likeliest_by_text(entry.top) for entry in entries],
+            "text_offset": offsets,
+        }
+
+
+def likeliest_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """Alternatives keyed by their text, as the legacy API has them: of
+    tokens that decode to the same string (a byte-level BPE has such pairs),
+    the likeliest one's logprob."""
+    likeliest: dict[str, float] = {}
+    for token, logprob in top:
+        if token not in likeliest or logprob > likeliest[token]:
+            likeliest[token] = logprob
+    return likeliest
+
+
+def tool_call_object(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """An OpenAI tool call; ``index`` in a stream's delta."""
+    shown = {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+    return shown if index is None else {"index": index, **shown}
+
+
 class Reply:
     """The OpenAI objects of one completion: its chunks while it streams, or
-    the whole of it at the end."""
+    the whole of it at the end (:meth:`add` gathers the parts either way).
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    Args:
+        chat: a chat completion (else a text completion).
+        model: the model's name, as the reply gives it.
+        include_usage: a stream ends with a usage chunk.
+        logprobs: the request asked for logprobs.
+    """
+
+    def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: bool = False) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        self.logprobs = logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.token_logprobs: list[TokenLogprob] = []
+        self._text_logprobs = TextLogprobs()
+        self.started = False  # a stream's role chunk is out
 
     def _object(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -131,48 +523,95 @@ class Reply:
             **extra,
         }
 
-    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    def _chunk(self, choice: dict[str, Any], logprobs: Any = None, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        choice = {"index": 0, **choice, "logprobs": None}
+        choice = {"index": 0, **choice, "logprobs": logprobs}
         if self.include_usage:
             extra.setdefault("usage", None)
         return self._object(kind, [choice], **extra)
 
-    def role_chunk(self) -> dict[str, Any] | None:
-        """The first chunk of a chat stream (None for text completions)."""
-        if not self.chat:
+    def add(self, chunk: TextChunk, limit_calls: int | None = None) -> dict[str, Any] | None:
+        """Gather a frame's parts; the stream chunk that carries them (None
+        if they are empty). ``limit_calls``: keep at most this many tool
+        calls in all (``parallel_tool_calls`` false)."""
+        calls = chunk.tool_calls or []
+        if limit_calls is not None:
+            calls = calls[: max(0, limit_calls - len(self.tool_calls))]
+        first_call = len(self.tool_calls)
+        self.content.append(chunk.text)
+        self.reasoning.append(chunk.reasoning)
+        self.tool_calls += calls
+        entries = chunk.logprobs or []
+        self.token_logprobs += entries
+        if not (chunk.text or chunk.reasoning or calls or entries):
             return None
+        logprobs = None
+        if entries:
+            logprobs = ({"content": [chat_logprob(e) for e in entries]} if self.chat
+                        else self._text_logprobs.of(entries))  # fmt: skip
+        if not self.chat:
+            return self._chunk({"text": chunk.text, "finish_reason": None}, logprobs)
+        delta: dict[str, Any] = {}
+        if chunk.reasoning:
+            delta["reasoning_content"] = chunk.reasoning
+        if chunk.text:
+            delta["content"] = chunk.text
+        if calls:
+            delta["tool_calls"] = [tool_call_object(call, first_call + i)
+                                   for i, call in enumerate(calls)]  # fmt: skip
+        return self._chunk({"delta": delta, "finish_reason": None}, logprobs)
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        """The first chunk of a chat stream (None for text completions, or
+        once sent)."""
+        if not self.chat or self.started:
+            return None
+        self.started = True
         return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        part = {"delta": {"content": text}} if self.chat else {"text": text}
-        return self._chunk({**part, "finish_reason": None})
+    def finish_reason(self, done: GenerationDone) -> str:
+        if self.tool_calls and done.finish_reason in ("stop", "cancelled", "tool_calls"):
+            return "tool_calls"  # cancelled: cut at its first call (parallel_tool_calls false)
+        return FINISH_REASONS[done.finish_reason]
 
     def end_chunk(self, done: GenerationDone) -> dict[str, Any]:
         part: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
         return self._chunk(
-            {**part, "finish_reason": FINISH_REASONS[done.finish_reason]},
-            supervisor=self._ours(done),
+            {**part, "finish_reason": self.finish_reason(done)}, supervisor=self._ours(done)
         )
 
     def usage_chunk(self, done: GenerationDone) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._object(kind, [], usage=usage(done))
 
-    def whole(self, text: str, done: GenerationDone) -> dict[str, Any]:
-        finish = FINISH_REASONS[done.finish_reason]
+    def whole(self, done: GenerationDone) -> dict[str, Any]:
+        """The whole answer, from the parts :meth:`add` gathered."""
+        finish = self.finish_reason(done)
+        text = "".join(self.content)
+        logprobs: dict[str, Any] | None = None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish, "logprobs": None}  # fmt: skip
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [tool_call_object(call) for call in self.tool_calls]
+            if reasoning := "".join(self.reasoning):
+                message["reasoning_content"] = reasoning
+            if self.logprobs:
+                logprobs = {"content": [chat_logprob(e) for e in self.token_logprobs]}
+            choice = {"index": 0, "message": message, "finish_reason": finish,
+                      "logprobs": logprobs}  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            if self.logprobs:
+                logprobs = TextLogprobs().of(self.token_logprobs)
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         kind = "chat.completion" if self.chat else "text_completion"
         return self._object(kind, [choice], usage=usage(done), supervisor=self._ours(done))
 
     @staticmethod
     def _ours(done: GenerationDone) -> dict[str, Any]:
-        """What OpenAI's objects have no field for."""
-        return {
+        """What OpenAI's objects have no field for. ``invalid_tool_call``: the
+        text of a tool call that max_tokens cut short."""
+        ours = {
             "finish_reason": done.finish_reason,
             "detail": done.detail,
             "ttft_s": round(done.ttft_s, 4),
@@ -181,6 +620,9 @@ class Reply:
             "batched": done.batched,
             "max_tokens_clamped_to": done.max_tokens_clamped_to,
         }
+        if done.invalid_tool_call is not None:
+            ours["invalid_tool_call"] = done.invalid_tool_call
+        return ours
 
 
 def usage(done: GenerationDone) -> dict[str, Any]:
@@ -189,53 +631,21 @@ def usage(done: GenerationDone) -> dict[str, Any]:
         "completion_tokens": done.generation_tokens,
         "total_tokens": done.prompt_tokens + done.generation_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
     }
 
 
-class CompletionCall(msgspec.Struct, kw_only=True):
-    """A completion request, checked, waiting for its model."""
-
-    chat: bool
-    model: str
-    messages: list[ChatMessage] | None
-    prompt: str | None
-    max_tokens: int | None
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-
-
-def completion_call(body: ChatCompletionRequest | CompletionRequest) -> CompletionCall:
-    """The request a chat or text completion's body asks for, checked.
-    Raises ApiError."""
-    messages: list[ChatMessage] | None = None
-    prompt: str | None = None
-    max_tokens: int | None
-    chat = isinstance(body, ChatCompletionRequest)
-    if isinstance(body, ChatCompletionRequest):
-        messages = chat_messages(body.messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-    else:
-        if isinstance(body.prompt, list):
-            if len(body.prompt) != 1:
-                raise ApiError(400, "give one prompt per request", param="prompt",
-                               code="bad_request")  # fmt: skip
-            prompt = body.prompt[0]
-        else:
-            prompt = body.prompt
-        max_tokens = body.max_tokens
-    if body.n not in (None, 1):
-        raise ApiError(400, "only n = 1 is supported", param="n", code="bad_request")
-    defaults = SamplingParams()
-    sampling = SamplingParams(
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        seed=body.seed,
-        stop=stop_strings(body.stop),
-    )
-    options = body.stream_options
-    return CompletionCall(
-        chat=chat, model=body.model, messages=messages, prompt=prompt,
-        max_tokens=max_tokens, sampling=sampling, stream=bool(body.stream),
-        include_usage=bool(options is not None and options.include_usage),
+def broken_tool_call(done: GenerationDone) -> ApiError | None:
+    """The error that ends an answer whose tool call the model broke (its
+    text does not parse): a 500 ``invalid_tool_call``, as OpenAI answers "the
+    model produced invalid content", so that no client takes the answer for a
+    plain one. A call that max_tokens cut short is not an error: the answer
+    ends with ``finish_reason`` "length" and the text in
+    ``supervisor.invalid_tool_call``; nor is one a cancel cut (the client
+    left, or the answer ended at its first call)."""
+    if done.invalid_tool_call is None or done.finish_reason in CUT_SHORT:
+        return None
+    return ApiError(
+        500, f"the model wrote a tool call that does not parse: {done.invalid_tool_call!r}",
+        type="server_error", code="invalid_tool_call",
     )  # fmt: skip
