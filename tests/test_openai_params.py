@@ -46,7 +46,7 @@ from runner.builtin import ensure_builtin_model
 from supervisor.client import Client
 from supervisor.config import HTTP_ENV, SupervisorConfig
 from supervisor.fronts.http.completions import Completions
-from supervisor.fronts.http.openai import IGNORED_FIELDS, Ignored
+from supervisor.fronts.http.openai_requests import IGNORED_FIELDS, Ignored
 from supervisor.fronts.http.requests import ApiKey
 from supervisor.registry.registry import Registry
 

@@ -33,9 +33,10 @@ start of that chat's next request: the conversation with the
 answer as the client will send it back, and the template's header of the
 next user turn (see :mod:`runner.next_turn`).
 
-Its other parts live beside it: how long requests on an idle engine wait
-for company (:mod:`runner.batch_admission`), stop strings
-(:mod:`runner.stops`), and the request record (:mod:`runner.job`).
+Its other parts live beside it: each request's output and end
+(:mod:`runner.answer`), how long requests on an idle engine wait for company
+(:mod:`runner.batch_admission`), stop strings (:mod:`runner.stops`), and the
+request record (:mod:`runner.job`).
 
 Everything here runs on the runner's main thread; the pipe-reader thread
 only reads :attr:`Engine.stats_snapshot` (for Pongs) and flags cancels.
@@ -53,17 +54,14 @@ import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.messages import (
-    ChatMessage,
     EngineReport,
     EngineSettings,
     EngineStats,
-    FinishReason,
     Generate,
-    GenerationDone,
     GenerationFailed,
     Heartbeat,
-    TextChunk,
 )
+from runner.answer import AnswerPath
 from runner.batch import BatchPath
 from runner.batch_admission import AdmissionTimer
 from runner.chat_template import render_chat, template_turns
@@ -73,7 +71,7 @@ from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.job import Job
 from runner.next_turn import NextTurnPrefill
-from runner.output import OutputSplitter, Parts, reasoning_budget_processor
+from runner.output import OutputSplitter, reasoning_budget_processor
 from runner.prefill_pacing import PrefillPacer
 from runner.prefix_cache import PrefixCache, PromptCache
 from runner.sampling import (
@@ -84,12 +82,9 @@ from runner.sampling import (
     check_logprobs,
     logits_processors_for,
     model_vocab_size,
-    read_logprobs,
     sampler_for,
-    token_logprobs,
 )
 from runner.solo import Solo, SoloPath
-from runner.stops import add_text
 
 __all__ = ["Engine", "batchability", "build_prompt_tokens"]
 
@@ -140,7 +135,7 @@ def batchability(model: Any) -> tuple[bool, str | None]:
     return True, None
 
 
-class Engine(SoloPath, BatchPath):
+class Engine(SoloPath, BatchPath, AnswerPath):
     """Serves generation requests for one loaded model.
 
     Args:
@@ -506,191 +501,13 @@ class Engine(SoloPath, BatchPath):
             self._last_beat = now
             self.send(Heartbeat(phase, self._progress, self.guard.figures, step_s))
 
-    # --- tokens out ----------------------------------------------------------
+    # --- running requests and reports -----------------------------------------
 
     def _running(self) -> list[Job]:
         jobs = list(self.in_batch.values())
         if self.solo is not None:
             jobs.append(self.solo.job)
         return jobs
-
-    def _on_token(
-        self, job: Job, token: int, batch_finish: str | None, logprobs: Any
-    ) -> FinishReason | None:
-        """Take one generated token (and the log probabilities mlx-lm gave
-        with it): its output on its way to the client; the finish, if any.
-
-        Raises what the request's logits processors raised (while making the
-        token after it): the request fails there, alone."""
-        if job.processor_error is not None:
-            raise job.processor_error
-        if job.first_token_at is None:
-            job.first_token_at = time.perf_counter()
-            # In a batch the time covers the others' prefills too (see record_prefill).
-            self.admission.record_prefill(len(job.prompt) - job.cached_tokens,
-                                          job.first_token_at - job.started)  # fmt: skip
-        job.tokens.append(token)
-        count = len(job.tokens)
-        self._progress += 1
-        self.faults.at_token(count)
-        sampling = job.request.sampling
-        finish: FinishReason | None = None
-        if token in self.tokenizer.eos_token_ids or batch_finish == "stop":
-            finish = "stop"
-            job.detokenizer.finalize()
-        else:
-            if sampling.logprobs:  # an end token is no part of the answer
-                job.logprobs.append(token_logprobs(logprobs, token, sampling.top_logprobs))
-            job.detokenizer.add_token(token)
-            if count >= job.max_tokens or batch_finish == "length":
-                finish = "length"
-                job.detokenizer.finalize()
-        if self._take_output(job, job.detokenizer.last_segment, token, finish is not None):
-            finish = "stop"
-        elif finish is not None:
-            job.ready = len(job.text)  # no stop string came: what was held back is text
-        if finish == "stop" and job.tool_calls:
-            finish = "tool_calls"  # the answer ended after calling tools
-        now = time.perf_counter()
-        first = not job.shown and (job.ready > job.sent or job.reasoning
-                                   or len(job.tool_calls) > job.sent_calls)  # fmt: skip
-        if first or finish is not None or now - job.sent_at >= self.stream_interval_s:
-            self._flush(job, now)
-        return finish
-
-    def _take_output(self, job: Job, segment: str, token: int, last: bool) -> bool:
-        """Take the text ``token`` made (its ``last`` one: the splitter gives
-        up what it held too): reasoning and tool calls wait for the next
-        frame, the answer's text goes on through the stop strings. True if a
-        stop string now ends the text."""
-        splitter = job.splitter
-        if splitter is None:
-            return add_text(job, segment)
-        parts = splitter.feed(segment, token)
-        self._take_parts(job, parts)
-        stopped = add_text(job, parts.content)
-        if stopped or last:
-            stopped = self._end_output(job, stopped=stopped)
-        return stopped
-
-    @staticmethod
-    def _take_parts(job: Job, parts: Parts) -> None:
-        job.reasoning += parts.reasoning
-        job.tool_calls.extend(parts.tool_calls)
-
-    def _end_output(self, job: Job, stopped: bool = False) -> bool:
-        """The answer ends (its last token, a stop string, or none: cancelled,
-        memory, a failure): its splitter gives up what it held, and the tool
-        calls it broke. True if the answer ends at a stop string (``stopped``:
-        it already did).
-
-        Once a stop string ends the answer, what the splitter still held came
-        after it and is dropped, a tool-call block still open with it; the
-        blocks that closed broken before it are still the answer's."""
-        splitter = job.splitter
-        if splitter is None or job.output_ended:
-            return stopped
-        rest, invalid = splitter.finish()
-        job.output_ended = True
-        if not stopped:
-            self._take_parts(job, rest)
-            stopped = add_text(job, rest.content)
-        job.invalid_tool_call = splitter.broken if stopped else invalid
-        return stopped
-
-    def _flush(self, job: Job, now: float | None = None) -> None:
-        """Send the text ``job`` made since its last frame, in one frame.
-
-        The first token goes out at once, later ones at most every
-        ``stream_interval_s`` (and all before the request ends or a prefill
-        starts): a fast model's tokens then cost the supervisor and the
-        client one frame each interval, not one per token."""
-        calls = job.tool_calls[job.sent_calls :]
-        if (job.sent_tokens == len(job.tokens) and job.sent == job.ready and not job.reasoning
-                and not calls):  # fmt: skip
-            return
-        job.sent_tokens = len(job.tokens)
-        job.sent_at = time.perf_counter() if now is None else now
-        text, job.sent = job.text[job.sent : job.ready], job.ready
-        reasoning, job.reasoning = job.reasoning, ""
-        logprobs = read_logprobs(job.logprobs, self._token_texts) if job.logprobs else []
-        job.logprobs = []
-        job.sent_calls = len(job.tool_calls)
-        job.shown = job.shown or bool(text or reasoning or calls)
-        self.send(TextChunk(job.request_id, text, job.sent_tokens, reasoning=reasoning,
-                            tool_calls=calls or None, logprobs=logprobs or None))  # fmt: skip
-
-    def _flush_all(self) -> None:
-        for job in self._running():
-            self._flush(job)
-
-    # --- ending requests -----------------------------------------------------
-
-    def _finish(self, job: Job, finish: FinishReason, cache: PromptCache | None = None) -> None:
-        """Store the request's cache, send its GenerationDone, log it."""
-        self._end_output(job)
-        job.ready = len(job.text)
-        self._flush(job)
-        if finish == "memory_pressure":
-            self.guard.emergency_cleanup(f"request {job.request_id} stopped")
-        elif cache is not None and job.tokens and job.use_cache and self.prefix_cache is not None:
-            self.prefix_cache.store(job.prompt + job.tokens, cache)
-            messages = job.request.messages
-            if (self.next_turn is not None and messages is not None and finish != "cancelled"
-                    and job.invalid_tool_call is None):  # fmt: skip
-                # The answer as the client sends it back: its text, and its calls.
-                answer = ChatMessage("assistant", job.text, tool_calls=job.tool_calls or None)
-                self.next_turn.queue(messages, answer, job.request.chat)
-        now = time.perf_counter()
-        computed = len(job.prompt) - job.cached_tokens
-        first = job.first_token_at
-        prefill_s = (first - job.started) if first is not None and job.started else 0.0
-        decode_s = (now - first) if first is not None else 0.0
-        done = GenerationDone(
-            request_id=job.request_id,
-            prompt_tokens=len(job.prompt),
-            generation_tokens=len(job.tokens),
-            prompt_tps=computed / prefill_s if prefill_s > 0 else 0.0,
-            generation_tps=len(job.tokens) / decode_s if decode_s > 0 else 0.0,
-            ttft_s=(first - job.received) if first is not None else 0.0,
-            peak_memory_bytes=int(mx.get_peak_memory()),
-            finish_reason=finish,
-            max_tokens_clamped_to=job.clamped_to,
-            detail=job.detail,
-            cached_tokens=job.cached_tokens,
-            batched=job.batched,
-            reasoning_tokens=job.splitter.reasoning_tokens if job.splitter is not None else 0,
-            invalid_tool_call=job.invalid_tool_call,
-        )
-        # The engine's new figures first: a client that asks for the status as
-        # soon as its request is done sees what the request did (the cache entry).
-        self._report()
-        self.send(done)  # the client before the log
-        self.on_finished(job.request_id, len(job.tokens))
-        log.info(
-            "generation_done",
-            request_id=job.request_id,
-            tokens=done.generation_tokens,
-            prompt_tokens=done.prompt_tokens,
-            cached_tokens=done.cached_tokens,
-            tps=round(done.generation_tps, 1),
-            finish_reason=finish,
-            batched=job.batched,
-            max_tokens_clamped_to=job.clamped_to,
-            detail=job.detail,
-        )
-
-    def _fail(self, job: Job, exc: BaseException) -> None:
-        try:
-            self._end_output(job)
-        except Exception:  # the request fails anyway: what the splitter held is lost
-            log.exception("output_end_failed", request_id=job.request_id)
-        job.ready = len(job.text)
-        self._flush(job)
-        log.error("generation_failed", request_id=job.request_id, error=repr(exc))
-        self._report()
-        self.send(GenerationFailed(job.request_id, f"{type(exc).__name__}: {exc}"))
-        self.on_finished(job.request_id, None)
 
     def _report(self) -> None:
         self.stats_snapshot = self.stats()

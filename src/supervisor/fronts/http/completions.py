@@ -21,13 +21,11 @@ from starlette.types import Receive, Scope, Send
 from ipc.messages import GenerateRequest, GenerationDone, LoadProgress, TextChunk
 from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.errors import ApiError, internal_error
-from supervisor.fronts.http.openai import (
-    ENCODER,
+from supervisor.fronts.http.openai_replies import ENCODER, Reply, broken_tool_call
+from supervisor.fronts.http.openai_requests import (
     ChatCompletionRequest,
     CompletionCall,
     CompletionRequest,
-    Reply,
-    broken_tool_call,
     completion_call,
 )
 from supervisor.fronts.http.requests import ApiKey, read_json

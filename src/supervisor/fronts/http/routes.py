@@ -18,7 +18,7 @@ from ipc.messages import StatusReply
 from supervisor import __version__
 from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.errors import ApiError
-from supervisor.fronts.http.openai import ENCODER, OWNER
+from supervisor.fronts.http.openai_replies import ENCODER, OWNER
 from supervisor.registry.registry import Registry
 
 

@@ -10,7 +10,7 @@ import anyio
 from starlette.types import Message, Receive, Send
 
 from supervisor.fronts.http.errors import ApiError
-from supervisor.fronts.http.openai import ENCODER
+from supervisor.fronts.http.openai_replies import ENCODER
 from supervisor.fronts.mailbox import ClientGone
 
 
