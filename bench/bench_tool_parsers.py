@@ -64,30 +64,12 @@ from ipc.messages import FAULTS_ENV
 from runner.builtin import ensure_builtin_model
 from supervisor.figures import render_table
 from tool_call_formats import FORMATS as SAMPLES
+from tool_call_formats import TOOLS
 
 DEFAULT_OUT = RESULTS_DIR / "tool_parsers.json"
 BASE_MODEL = "builtin:tiny-qwen3-tools"
 CONTENT = "Sure."
 CHAT = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
-        },
-    },
-]
 
 # What mlx-lm's _infer_tool_parser looks for in a chat template, per family
 # (None: it picks that family by other means; the copy sets tool_parser_type).

@@ -32,30 +32,11 @@ from ipc.messages import ChatOptions, NamedTool, ResponseFormat, ToolCall
 from modelfiles.builtin import builtin_cache_dir
 from runner.builtin import ensure_builtin_model
 from runner.output import OutputSplitter, Parts, reasoning_budget_processor
-from tool_call_formats import FORMATS, WEATHER
+from tool_call_formats import FORMATS, TOOLS, WEATHER
 
 # Read at import, before the fixtures point XDG_CACHE_HOME at a test's own cache.
 BUILTIN_CACHE = builtin_cache_dir()
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
-        },
-    },
-]
 WITH_TOOLS = ChatOptions(tools=TOOLS)
 TIME = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
 # Qwen3's template writes this after the thinking of an earlier turn.

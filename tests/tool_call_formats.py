@@ -1,9 +1,32 @@
 """A call in the format of each tool-call parser mlx-lm has (the text between
 the parser's start and end tags, read from each parser's code): the splitter's
 tests (tests/test_output.py) and the coverage bench (bench/bench_tool_parsers.py)
-both run every family on these."""
+both run every family on these, with these tools."""
 
 from __future__ import annotations
+
+from typing import Any
+
+# The tools the calls below call.
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+        },
+    },
+]
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
 
