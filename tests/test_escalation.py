@@ -131,7 +131,8 @@ def test_a_runner_sigkill_cannot_end_is_reported_unkillable_and_loads_go_on(
     mount_point, thaw = frozen_fs
     daemon = start_daemon(GRACES + "sigkill_wait_s = 1.0\nrestart = 'never'\n")
     client = Client(daemon.socket_path)
-    faults = {"MLX_SUPERVISOR_FAULTS": f"write_at_token=2:{mount_point}/f"}
+    fired = mount_point.parent / "fired"  # made just before the write (not on the frozen fs)
+    faults = {"MLX_SUPERVISOR_FAULTS": f"write_at_token=2:{mount_point}/f,once={fired}"}
     stuck = client.load("builtin:tiny", "stuck", env=faults)
     outcome: list[object] = []
 
@@ -144,7 +145,8 @@ def test_a_runner_sigkill_cannot_end_is_reported_unkillable_and_loads_go_on(
     thread = threading.Thread(target=generate)
     thread.start()
     process = psutil.Process(stuck.pid)
-    daemon.wait_until(lambda: process.status() == psutil.STATUS_DISK_SLEEP)
+    # The write's sleep, not a passing one (a page read under load is a D state too).
+    daemon.wait_until(lambda: fired.exists() and process.status() == psutil.STATUS_DISK_SLEEP)
 
     unloaded = client.unload("stuck")  # returns: nothing waits on the process for good
     assert unloaded.steps == ["shutdown", "sigterm", "sigkill", "unkillable"]
