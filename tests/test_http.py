@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 
 from conftest import DaemonFactory, faults
 from ipc.messages import ErrorCode, GenerateRequest, GenerationDone, TextChunk, ToolCall
+from runner.builtin import ensure_builtin_model
 from supervisor import __version__
 from supervisor.client import Client
 from supervisor.config import (
@@ -127,6 +128,12 @@ def test_openai_client_lists_models_and_completes_chat_and_text(
     ours = models["tiny"].model_extra or {}
     assert (ours["model"], ours["state"], ours["configured"]) == ("builtin:tiny", "ready", False)
     assert (models["other"].model_extra or {})["state"] == "not_loaded"
+    # The context length, from the model's config.json (builtin:tiny's max_position_embeddings).
+    tiny_config = json.loads((ensure_builtin_model("builtin:tiny") / "config.json").read_text())
+    context = tiny_config["max_position_embeddings"]
+    assert (ours["context_length"], ours["max_model_len"]) == (context, context)
+    one = api.models.retrieve("other")
+    assert one.id == "other" and (one.model_extra or {})["context_length"] == context
 
     chat = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)  # type: ignore[arg-type]
     assert chat.object == "chat.completion" and chat.model == "tiny"
@@ -434,7 +441,7 @@ async def test_a_client_gone_during_background_writes_ends_quietly() -> None:
 
             completions = Completions(registry, config, ApiKey(None))
             try:
-                await completions.serve(scope, receive_once(body), send, chat=False)  # type: ignore[arg-type]
+                await completions.serve(scope, receive_once(body), send, completions.text)  # type: ignore[arg-type]
             finally:
                 await registry.shutdown()
                 tg.cancel_scope.cancel()
@@ -488,7 +495,7 @@ async def test_a_request_waits_for_a_stopped_model_until_the_registry_forgets_it
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(completions.serve, scope, receive_once(body), send,
-                                            chat=False))  # type: ignore[arg-type]  # fmt: skip
+                                            completions.text))  # type: ignore[arg-type]  # fmt: skip
             await anyio.wait_all_tasks_blocked()  # the request waits for the stopping model
             del registry.entries["tiny"]  # the unload's last step: forget it
             stopping.forgotten.set()

@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Literal, cast
 
-import anyio
 import httpx
 import openai
 import pytest
@@ -33,7 +31,6 @@ from conftest import DaemonFactory
 from ipc.messages import (
     ChatMessage,
     ChatOptions,
-    GenerateRequest,
     GenerationDone,
     NamedTool,
     ResponseFormat,
@@ -43,6 +40,7 @@ from ipc.messages import (
     ToolCall,
 )
 from runner.builtin import ensure_builtin_model
+from scripted import ScriptedRegistry, done
 from supervisor.client import Client
 from supervisor.config import HTTP_ENV, SupervisorConfig
 from supervisor.fronts.http.completions import Completions
@@ -195,20 +193,6 @@ def test_unsupported_parameters_are_400s_naming_them(start_daemon: DaemonFactory
 # --- the replies, against scripted runner frames ----------------------------------------
 
 
-def done(finish: str = "stop", **fields: Any) -> GenerationDone:
-    return GenerationDone(
-        request_id=1,
-        prompt_tokens=5,
-        generation_tokens=9,
-        prompt_tps=1.0,
-        generation_tps=1.0,
-        ttft_s=0.1,
-        peak_memory_bytes=0,
-        finish_reason=finish,
-        **fields,
-    )
-
-
 def logprob(token: str, value: float, *others: str) -> TokenLogprob:
     return TokenLogprob(
         token, value, [(token, value)] + [(o, value - 1 - i) for i, o in enumerate(others)]
@@ -226,29 +210,6 @@ FRAMES: list[TextChunk | GenerationDone] = [
     TextChunk(1, "", 9, tool_calls=CALLS[1:]),
     done("tool_calls", reasoning_tokens=3),
 ]
-
-
-class ScriptedRegistry:
-    """A registry whose one model answers with ``frames``; it keeps each
-    request, and whether the front had cancelled it after each frame."""
-
-    closing = False
-
-    def __init__(self, frames: Sequence[TextChunk | GenerationDone]) -> None:
-        self.frames = frames
-        self.requests: list[GenerateRequest] = []
-        self.cancelled: list[bool] = []
-
-    async def ensure_loaded(self, ref: str, on_progress: Any) -> Any:
-        return SimpleNamespace(name="tiny", state="ready", spec=SimpleNamespace(max_tokens=None))
-
-    async def generate(
-        self, request: GenerateRequest, emit: Any, cancel: anyio.Event, on_queued: Any = None
-    ) -> None:
-        self.requests.append(request)
-        for frame in self.frames:
-            await emit(frame, None)
-            self.cancelled.append(cancel.is_set())
 
 
 def scripted_api(registry: ScriptedRegistry) -> openai.AsyncOpenAI:
@@ -366,7 +327,7 @@ async def test_text_top_logprobs_keep_the_likeliest_of_tokens_that_read_the_same
 
 @pytest.mark.anyio
 async def test_a_token_that_holds_part_of_a_character_keeps_its_bytes() -> None:
-    """"日" in two tokens: each carries its own bytes (as the runner sends them),
+    """ "日" in two tokens: each carries its own bytes (as the runner sends them),
     never the UTF-8 of a replacement character; text offsets count the
     character once it is whole."""
     head = TokenLogprob("\\xe6\\x97", -0.1, [("\\xe6\\x97", -0.1), ("x", -3.0)],

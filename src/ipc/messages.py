@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -225,6 +225,7 @@ class GenerationDone(msgspec.Struct, tag="done"):
     reasoning_tokens: int = 0  # of generation_tokens, those the model spent thinking
     # tool-call text the model broke or cut short (it is not passed off as content)
     invalid_tool_call: str | None = None
+    stop_string: str | None = None  # the request's stop string that ended it (finish "stop")
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True):
@@ -493,6 +494,15 @@ class CacheCleared(msgspec.Struct, tag="cache_cleared"):
     bytes: int
 
 
+class TokenCount(msgspec.Struct, tag="token_count"):
+    """Runner -> supervisor: the answer to :class:`CountTokens`; ``error``
+    when the template could not render these messages."""
+
+    request_id: int
+    tokens: int
+    error: str | None = None
+
+
 class Queued(msgspec.Struct, tag="queued"):
     """A generate waits for its turn: ``position`` 1 is next in line.
 
@@ -657,7 +667,19 @@ class Environment(msgspec.Struct, tag="environment"):
     env: dict[str, str]
 
 
-RunnerCommand = LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache | Environment
+class CountTokens(msgspec.Struct, tag="count_tokens"):
+    """How many prompt tokens a generate with these fields would have (chat
+    template, tools and all); the runner answers :class:`TokenCount`."""
+
+    request_id: int
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat: ChatOptions = ChatOptions()
+
+
+RunnerCommand = (
+    LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache | Environment | CountTokens
+)
 
 # --- runner -> supervisor ----------------------------------------------------
 
@@ -754,4 +776,5 @@ RunnerEvent = (
     | ExitAudit
     | EngineReport
     | CacheCleared
+    | TokenCount
 )

@@ -208,6 +208,7 @@ class AnswerPath:
             batched=job.batched,
             reasoning_tokens=job.splitter.reasoning_tokens if job.splitter is not None else 0,
             invalid_tool_call=job.invalid_tool_call,
+            stop_string=job.stop_string if finish == "stop" else None,
         )
         # The engine's new figures first: a client that asks for the status as
         # soon as its request is done sees what the request did (the cache entry).

@@ -48,6 +48,7 @@ class Job:
     detail: str | None = None
     text: str = ""  # the text so far (cut before a stop string)
     ready: int = 0  # characters of ``text`` that may go out (none of a stop string's start)
+    stop_string: str | None = None  # the stop string that ended the text, when one did
     sent: int = 0  # characters of ``text`` sent
     sent_tokens: int = 0  # tokens its frames have covered
     sent_at: float = 0.0

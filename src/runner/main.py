@@ -31,6 +31,7 @@ from ipc.messages import (
     Cancel,
     CauseClass,
     ClearCache,
+    CountTokens,
     Environment,
     ExitAudit,
     Generate,
@@ -45,6 +46,7 @@ from ipc.messages import (
     Shutdown,
     Started,
     TextChunk,
+    TokenCount,
 )
 from runner import import_cache
 from runner.faults import Faults
@@ -202,6 +204,8 @@ class Runner:
                 entries, nbytes = engine.clear_cache() if engine is not None else (0, 0)
                 log.info("prefix_cache_cleared", entries=entries, bytes=nbytes)
                 self.channel.send(CacheCleared(self.name, entries, nbytes))
+            elif isinstance(command, CountTokens):
+                self.count_tokens(command)
             if command is None and engine is not None:
                 self.step(engine)
 
@@ -347,6 +351,23 @@ class Runner:
         with self._lock:
             received = self.pending.get(request.request_id)
         self.engine.submit(request, received)  # its wait counts from its arrival
+
+    def count_tokens(self, command: CountTokens) -> None:
+        """Answer how many prompt tokens these fields make (a template that
+        cannot render them is the answer's ``error``)."""
+        if self.engine is None:
+            self.channel.send(TokenCount(command.request_id, 0, "no model loaded"))
+            return
+        from runner.engine import build_prompt_tokens
+
+        request = Generate(command.request_id, command.prompt, command.messages,
+                           chat=command.chat)  # fmt: skip
+        try:
+            tokens = len(build_prompt_tokens(self.engine.tokenizer, request))
+        except Exception as exc:  # the client's messages, not the runner, are wrong
+            self.channel.send(TokenCount(command.request_id, 0, f"{type(exc).__name__}: {exc}"))
+            return
+        self.channel.send(TokenCount(command.request_id, tokens))
 
     def send_generation(self, message: msgspec.Struct) -> None:
         """The engine's way out: frames of its requests (and fault injection)."""

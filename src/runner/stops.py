@@ -24,9 +24,10 @@ def add_text(job: Job, segment: str) -> bool:
     if not stops:
         job.ready = len(job.text)
         return False
-    found = [i for s in stops if (i := job.text.find(s, max(0, before - len(s) + 1))) >= 0]
+    found = [(i, s) for s in stops if (i := job.text.find(s, max(0, before - len(s) + 1))) >= 0]
     if found:
-        job.text = job.text[: min(found)]
+        at, job.stop_string = min(found)
+        job.text = job.text[:at]
         job.ready = len(job.text)
         return True
     job.ready = len(job.text) - max(partial_stop(job.text, s) for s in stops)

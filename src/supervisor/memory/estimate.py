@@ -163,7 +163,7 @@ def _text_value(config: dict[str, Any], key: str) -> Any:
     return None
 
 
-def _positive_int(config: dict[str, Any], key: str) -> int | None:
+def config_int(config: dict[str, Any], key: str) -> int | None:
     value = _text_value(config, key)
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
@@ -180,11 +180,11 @@ def _bytes_per_element(config: dict[str, Any]) -> int:
 
 
 def _head_dim(config: dict[str, Any]) -> int | None:
-    head_dim = _positive_int(config, "head_dim")
+    head_dim = config_int(config, "head_dim")
     if head_dim is not None:
         return head_dim
-    hidden = _positive_int(config, "hidden_size")
-    heads = _positive_int(config, "num_attention_heads")
+    hidden = config_int(config, "hidden_size")
+    heads = config_int(config, "num_attention_heads")
     if hidden is None or heads is None:
         return None
     return hidden // heads
@@ -196,7 +196,7 @@ def default_context_tokens(config: dict[str, Any]) -> int:
     ``min(max_position_embeddings, DEFAULT_CONTEXT_TOKENS)``, reading ``text_config`` for
     multimodal configs; ``DEFAULT_CONTEXT_TOKENS`` when the config gives no limit.
     """
-    limit = _positive_int(config, "max_position_embeddings")
+    limit = config_int(config, "max_position_embeddings")
     return DEFAULT_CONTEXT_TOKENS if limit is None else min(limit, DEFAULT_CONTEXT_TOKENS)
 
 
@@ -205,8 +205,8 @@ def _kv_cache_bytes(config: dict[str, Any], context_tokens: int) -> int:
 
     Every layer is counted as full attention: an upper bound for sliding-window layers.
     """
-    layers = _positive_int(config, "num_hidden_layers")
-    kv_heads = _positive_int(config, "num_key_value_heads") or _positive_int(
+    layers = config_int(config, "num_hidden_layers")
+    kv_heads = config_int(config, "num_key_value_heads") or config_int(
         config, "num_attention_heads"
     )
     head_dim = _head_dim(config)
@@ -223,7 +223,7 @@ def _activation_bytes(config: dict[str, Any], context_tokens: int) -> int:
     """
     widths = [
         w
-        for w in (_positive_int(config, "hidden_size"), _positive_int(config, "intermediate_size"))
+        for w in (config_int(config, "hidden_size"), config_int(config, "intermediate_size"))
         if w is not None
     ]
     if not widths:
@@ -231,7 +231,7 @@ def _activation_bytes(config: dict[str, Any], context_tokens: int) -> int:
     seq = min(context_tokens, PREFILL_STEP_TOKENS)
     element = _bytes_per_element(config)
     layer = seq * max(widths) * ACTIVATION_MULTIPLIER * element
-    heads = _positive_int(config, "num_attention_heads") or 0
+    heads = config_int(config, "num_attention_heads") or 0
     scores = heads * seq * seq * element
     return layer + scores
 
@@ -295,7 +295,7 @@ def _assemble(
         raise ValueError(f"context_tokens must be at least 1, not {context_tokens}")
     kv_cache = _kv_cache_bytes(config, context_tokens)
     activations = _activation_bytes(config, context_tokens)
-    vocabulary = _positive_int(config, "vocab_size") or 0
+    vocabulary = config_int(config, "vocab_size") or 0
     model_overhead = (
         MODEL_RUNTIME_BYTES
         + TOKENIZER_BASE_BYTES
@@ -473,6 +473,31 @@ def estimate_reference(model: str, context_tokens: int | None = None) -> Estimat
             return None
         return _assemble(dict(config), weights_bytes, "builtin", None, context_tokens,
                          vision=False)  # fmt: skip
+    return None
+
+
+def model_config(model: str) -> dict[str, Any] | None:
+    """The ``config.json`` of ``model`` as a config names it (a GGUF file's
+    as the runner converts it; a builtin's from its recipe when not built
+    yet); None when it is not on this machine.
+
+    Raises:
+        ValueError: corrupt model files.
+        OSError: model files that cannot be read.
+    """
+    path = local_model_path(model)
+    if path is not None and path.is_dir():
+        return _read_config(path)
+    if path is not None:
+        converted = built_gguf_model_dir(path)
+        if converted is not None:
+            return _read_config(converted)
+        return dict(gguf_config_and_weight_bytes(path)[0])
+    if model.startswith(BUILTIN_PREFIX):
+        try:
+            return dict(_builtin_recipe(model)[0])
+        except ValueError:
+            return None
     return None
 
 

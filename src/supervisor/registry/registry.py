@@ -28,6 +28,8 @@ from anyio.abc import TaskGroup
 
 from ipc.messages import (
     CacheCleared,
+    ChatMessage,
+    ChatOptions,
     EngineSettings,
     ExitInfo,
     GenerateRequest,
@@ -335,6 +337,17 @@ class Registry:
         return await self.requests.clear_cache(name)
 
     # --- generate ------------------------------------------------------------
+
+    async def count_tokens(
+        self,
+        entry: ModelEntry,
+        messages: list[ChatMessage] | None,
+        prompt: str | None = None,
+        chat: ChatOptions = ChatOptions(),  # noqa: B008 - frozen
+    ) -> int:
+        """How many prompt tokens these fields make on ``entry``'s model
+        (see :meth:`RequestRelay.count_tokens`). Raises RequestError."""
+        return await self.requests.count_tokens(entry, messages, prompt, chat)
 
     async def generate(
         self,

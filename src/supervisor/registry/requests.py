@@ -15,12 +15,16 @@ import anyio
 from ipc import ChannelClosed
 from ipc.messages import (
     CacheCleared,
+    ChatMessage,
+    ChatOptions,
     ClearCache,
+    CountTokens,
     Generate,
     GenerateRequest,
     GenerationDone,
     GenerationFailed,
     TextChunk,
+    TokenCount,
 )
 from ipc.messages import Cancel as CancelCommand
 from supervisor.config import SupervisorConfig
@@ -95,6 +99,42 @@ class RequestRelay:
         assert isinstance(event, CacheCleared)
         entry.log.info("prefix_cache_cleared", entries=event.entries, bytes=event.bytes)
         return event
+
+    async def count_tokens(
+        self,
+        entry: ModelEntry,
+        messages: list[ChatMessage] | None,
+        prompt: str | None = None,
+        chat: ChatOptions = ChatOptions(),  # noqa: B008 - frozen
+    ) -> int:
+        """How many prompt tokens a generate with these fields would have on
+        ``entry``'s model (its chat template, tools and all).
+
+        Raises:
+            RequestError: no runner ready to ask, it died or did not answer,
+                or its template could not render the messages (bad_request).
+        """
+        handle = entry.handle
+        if handle is None or not handle.alive or entry.state not in ("ready", "busy"):
+            raise RequestError("not_ready", f"{entry.name} is {entry.state}")
+        request_id = next(self._request_ids)
+        waiter = handle.expect(TokenCount, request_id)
+        try:
+            await handle.send(CountTokens(request_id, prompt, messages, chat))
+            with anyio.fail_after(self.config.decode_stall_s):
+                event = await waiter.wait()
+        except TimeoutError:
+            raise RequestError("not_ready", f"{entry.name} did not answer in time") from None
+        except RunnerGone as gone:
+            raise RequestError("runner_died", f"runner of {entry.name} died: "
+                               f"{gone.exit.cause}") from None  # fmt: skip
+        finally:
+            waiter.cancel()
+        assert isinstance(event, TokenCount)
+        if event.error is not None:
+            raise RequestError("bad_request", f"the chat template of {entry.name} failed: "
+                               f"{event.error}")  # fmt: skip
+        return event.tokens
 
     async def generate(
         self,

@@ -441,8 +441,8 @@ class RunnerGroup:
         for handle in self.ranks:
             handle.close_request(request_id, end=end)
 
-    def expect(self, kind: type[Any]) -> EventWaiter:
-        return self.lead.expect(kind)
+    def expect(self, kind: type[Any], request_id: int | None = None) -> EventWaiter:
+        return self.lead.expect(kind, request_id)
 
     # --- failure and stopping ------------------------------------------------
 

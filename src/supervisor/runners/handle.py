@@ -49,6 +49,7 @@ from ipc.messages import (
     Shutdown,
     Started,
     TextChunk,
+    TokenCount,
 )
 from supervisor import __version__
 from supervisor.config import ModelConfig, SupervisorConfig
@@ -299,8 +300,8 @@ class RunnerHandle:
                     self.log.info("runner_warm", import_s=round(event.import_s, 3))
                 elif isinstance(event, EngineReport):
                     self.engine_stats = event.engine
-                elif isinstance(event, CacheCleared):
-                    for waiter in [w for w in self._waiters if isinstance(event, w.kind)]:
+                elif isinstance(event, CacheCleared | TokenCount):  # answers: unawaited, dropped
+                    for waiter in [w for w in self._waiters if w.wants(event)]:
                         self._waiters.remove(waiter)
                         waiter.deliver(event)
                 elif not isinstance(event, Pong | Heartbeat) and not self.unkillable:
@@ -422,10 +423,10 @@ class RunnerHandle:
         except ChannelClosed:
             await raise_gone(self)
 
-    def expect(self, kind: type[Any]) -> EventWaiter:
-        """Start waiting for the runner's next ``kind`` event (before sending
-        the command it answers)."""
-        waiter = EventWaiter(self, kind, self._waiters)
+    def expect(self, kind: type[Any], request_id: int | None = None) -> EventWaiter:
+        """Start waiting for the runner's next ``kind`` event (with
+        ``request_id``, when given), before sending the command it answers."""
+        waiter = EventWaiter(self, kind, self._waiters, request_id)
         self._waiters.append(waiter)
         return waiter
 

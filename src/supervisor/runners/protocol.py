@@ -85,9 +85,9 @@ class Runner(Protocol):
     def close_request(self, request_id: int, *, end: bool = True) -> None:
         """Stop routing ``request_id``'s frames."""
 
-    def expect(self, kind: type[Any]) -> EventWaiter:
-        """Start waiting for its next ``kind`` event (before sending the
-        command it answers)."""
+    def expect(self, kind: type[Any], request_id: int | None = None) -> EventWaiter:
+        """Start waiting for its next ``kind`` event (with ``request_id``, when
+        given), before sending the command it answers."""
 
     # --- its end ------------------------------------------------------------------
 

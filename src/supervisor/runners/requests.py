@@ -181,14 +181,28 @@ class EventWaiter:
         kind: the event type awaited.
         waiting: the runner's list of waiters, this one in it until it is
             answered or cancelled.
+        request_id: only the event with this ``request_id`` (None: any).
     """
 
-    def __init__(self, runner: Exits, kind: type[Any], waiting: list[EventWaiter]) -> None:
+    def __init__(
+        self,
+        runner: Exits,
+        kind: type[Any],
+        waiting: list[EventWaiter],
+        request_id: int | None = None,
+    ) -> None:
         self.runner = runner
         self.kind = kind
+        self.request_id = request_id
         self.event: RunnerEvent | None = None
         self._arrived = anyio.Event()
         self._waiting = waiting
+
+    def wants(self, event: RunnerEvent) -> bool:
+        """Whether ``event`` is the one awaited."""
+        if not isinstance(event, self.kind):
+            return False
+        return self.request_id is None or getattr(event, "request_id", None) == self.request_id
 
     def deliver(self, event: RunnerEvent) -> None:
         self.event = event

@@ -1,8 +1,11 @@
-"""The completion routes, ``POST /v1/chat/completions`` and ``POST
-/v1/completions``: a request translated into the one generate request, its
-model found or loaded on demand, and the generation written back as one JSON
-body or as server-sent events (``stream``). Each request is a fault boundary,
-and a client that leaves cancels its generation in the runner.
+"""The one request path of every generating route (OpenAI's chat and text
+completions, Anthropic's Messages, OpenAI's Responses, Ollama's chat and
+generate): a request translated by its API's
+:class:`~supervisor.fronts.http.dialect.Dialect` into the one generate
+request, its model found or loaded on demand, and the generation written
+back as one JSON body or as a stream, in that API's shapes. Each request is
+a fault boundary, and a client that leaves cancels its generation in the
+runner.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any
 
 import anyio
 import msgspec
@@ -20,15 +22,11 @@ from starlette.types import Receive, Scope, Send
 
 from ipc.messages import GenerateRequest, GenerationDone, LoadProgress, TextChunk
 from supervisor.config import SupervisorConfig
+from supervisor.fronts.http.dialect import CompletionCall, Dialect
 from supervisor.fronts.http.errors import ApiError, internal_error
-from supervisor.fronts.http.openai_replies import ENCODER, Reply, broken_tool_call
-from supervisor.fronts.http.openai_requests import (
-    ChatCompletionRequest,
-    CompletionCall,
-    CompletionRequest,
-    completion_call,
-)
-from supervisor.fronts.http.requests import ApiKey, read_json
+from supervisor.fronts.http.openai_api import OpenAIChat, OpenAIText
+from supervisor.fronts.http.openai_replies import broken_tool_call
+from supervisor.fronts.http.requests import ApiKey
 from supervisor.fronts.http.streaming import ResponseWriter, watch_disconnect
 from supervisor.fronts.mailbox import ClientGone, Mailbox
 from supervisor.registry.registry import ModelEntry, Registry, RequestError
@@ -38,7 +36,7 @@ log = structlog.get_logger("supervisor.http")
 
 
 class Completions:
-    """Chat and text completions over ``registry``.
+    """The request path over ``registry``, for every API's dialect.
 
     Args:
         registry: the models.
@@ -50,22 +48,27 @@ class Completions:
         self.registry = registry
         self.config = config
         self.key = key
-        self._chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-        self._completion_decoder = msgspec.json.Decoder(CompletionRequest)
+        self.chat = OpenAIChat(config)
+        self.text = OpenAIText(config)
 
     def route(self, *, chat: bool) -> CompletionRoute:
-        """The ASGI app of the chat (``chat``) or the text completion route."""
-        return CompletionRoute(self, chat=chat)
+        """The ASGI app of OpenAI's chat (``chat``) or text completion route."""
+        dialect: Dialect = self.chat if chat else self.text
+        return CompletionRoute(self, dialect)
 
-    async def serve(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
-        """One completion request, from its first byte to its last, so that a
-        client leaving cancels the work. A fault boundary: never raises."""
-        writer = ResponseWriter(send, self.config.client_write_timeout_s)
+    def route_for(self, dialect: Dialect) -> CompletionRoute:
+        """The ASGI app of a route that speaks ``dialect``."""
+        return CompletionRoute(self, dialect)
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, dialect: Dialect) -> None:
+        """One request, from its first byte to its last, so that a client
+        leaving cancels the work. A fault boundary: never raises."""
+        writer = ResponseWriter(send, self.config.client_write_timeout_s, dialect.framing)
         request = Request(scope, receive)
         try:
             self.key.check(request)
-            call = await self._parse(request, chat=chat)
-            await self._complete(call, receive, writer)
+            call = writer.call = await dialect.parse(request)
+            await self.complete(call, dialect, receive, writer)
         except ApiError as err:
             await writer.fail(err)
         except RequestError as exc:
@@ -79,48 +82,59 @@ class Completions:
             with contextlib.suppress(ClientGone):
                 await writer.end()
 
-    async def _parse(self, request: Request, *, chat: bool) -> CompletionCall:
-        """The checked request. Raises ApiError."""
-        body: ChatCompletionRequest | CompletionRequest
-        if chat:
-            body = await read_json(request, self._chat_decoder, self.config)
-        else:
-            body = await read_json(request, self._completion_decoder, self.config)
-        return completion_call(body)
-
-    async def _complete(
-        self, call: CompletionCall, receive: Receive, writer: ResponseWriter
+    async def complete(
+        self, call: CompletionCall, dialect: Dialect, receive: Receive, writer: ResponseWriter
     ) -> None:
         """Find or load the model, generate, and write the answer; a client
         that disconnects cancels it. Raises ApiError or RequestError."""
         cancel = anyio.Event()
 
         async def work() -> None:
-            entry = await self._model_for(call, writer, cancel)
+            entry = await self.model_for(call.model, cancel, writer if call.stream else None)
             if entry is not None:
-                await self._generate(call, entry, writer, cancel)
+                await self._generate(call, dialect, entry, writer, cancel)
+                await self.keep_alive(entry, call.keep_alive_s)
 
         await beside(functools.partial(watch_disconnect, receive, cancel, writer), work)
 
-    async def _model_for(
-        self, call: CompletionCall, writer: ResponseWriter, cancel: anyio.Event
+    async def keep_alive(self, entry: ModelEntry, keep_alive_s: float | None) -> None:
+        """Apply a request's ``keep_alive_s`` to its model (see
+        :class:`~supervisor.fronts.http.dialect.CompletionCall`): 0 unloads
+        it now, unless other requests are using it (it then goes when they
+        are done, as keep-alive expiry takes it)."""
+        if keep_alive_s is None:
+            return
+        if keep_alive_s != 0:
+            entry.keep_alive_s = max(0.0, keep_alive_s)  # ours: 0 is never
+            self.registry.idle_changed()
+            return
+        entry.keep_alive_s = 1e-3  # idle a moment: expired
+        self.registry.idle_changed()
+        if entry.state == "ready" and entry.active_requests == 0:
+            with contextlib.suppress(RequestError):
+                await self.registry.unload(entry.name, "keep_alive 0")
+
+    async def model_for(
+        self, model: str, cancel: anyio.Event, progress_to: ResponseWriter | None = None
     ) -> ModelEntry | None:
-        """The model the call names, loaded (on demand: a stream hears the
-        load's progress as comments). A model being stopped (keep-alive ran
-        out, or admission evicted it) is waited for, up to queue_timeout_s,
-        and then found or loaded again. None if the client left meanwhile.
-        Raises RequestError (unavailable, or the load failed)."""
+        """The model named ``model``, loaded (on demand: a stream given as
+        ``progress_to`` hears the load's progress as keep-alive comments). A
+        model being stopped (keep-alive ran out, or admission evicted it) is
+        waited for, up to queue_timeout_s, and then found or loaded again.
+        None if ``cancel`` was set meanwhile (the client left). Raises
+        RequestError (unavailable, or the load failed)."""
         progress: Mailbox[LoadProgress] = Mailbox()
         found: list[ModelEntry] = []
 
         async def keep_alive(p: LoadProgress) -> None:
-            await writer.comment(f"loading {p.name} {p.phase} {p.done}/{p.total}")
+            if progress_to is not None:
+                await progress_to.comment(f"loading {p.name} {p.phase} {p.done}/{p.total}")
 
         async def load() -> None:
-            listener = progress.put if call.stream else None
+            listener = progress.put if progress_to is not None else None
             deadline = anyio.current_time() + self.config.queue_timeout_s
             while True:
-                entry = await self.registry.ensure_loaded(call.model, listener)
+                entry = await self.registry.ensure_loaded(model, listener)
                 if entry.state != "stopping":
                     break
                 with anyio.move_on_after(deadline - anyio.current_time()):
@@ -138,7 +152,12 @@ class Completions:
         return entry
 
     async def _generate(
-        self, call: CompletionCall, entry: ModelEntry, writer: ResponseWriter, cancel: anyio.Event
+        self,
+        call: CompletionCall,
+        dialect: Dialect,
+        entry: ModelEntry,
+        writer: ResponseWriter,
+        cancel: anyio.Event,
     ) -> None:
         """Run the generation and write it: as events while it streams, or
         whole at the end. A client that leaves cancels it in the runner; so
@@ -150,15 +169,11 @@ class Completions:
             sampling=msgspec.structs.replace(call.sampling, max_tokens=max_tokens),
             chat=call.options,
         )  # fmt: skip
-        reply = Reply(call.chat, entry.name, call.include_usage, call.sampling.logprobs)
+        answer = dialect.answer(call, entry.name)
         limit_calls = 1 if call.single_tool_call else None
         dones: list[GenerationDone] = []
         queued: Mailbox[int] = Mailbox()
         cut = False  # ended at its first tool call: what follows is not the answer
-
-        async def write(chunk: dict[str, Any] | None) -> None:
-            if chunk is not None:
-                await writer.event(ENCODER.encode(chunk))
 
         async def emit(event: TextChunk | GenerationDone, body: bytes | None) -> None:
             nonlocal cut
@@ -170,13 +185,12 @@ class Completions:
                 return
             if cut:
                 return
-            chunk = reply.add(event, limit_calls)
-            if limit_calls is not None and len(reply.tool_calls) >= limit_calls:
+            framed = answer.add(event, limit_calls)
+            if limit_calls is not None and answer.tool_call_count >= limit_calls:
                 cut = True
                 cancel.set()
-            if call.stream and chunk is not None:
-                await write(reply.role_chunk())  # the stream's first words: the role first
-                await write(chunk)
+            if framed:
+                await writer.stream(*framed)
 
         async def tell_place() -> None:
             if call.stream:
@@ -195,26 +209,22 @@ class Completions:
         if (broken := broken_tool_call(done)) is not None:
             raise broken  # a stream's last event, or the response
         if not call.stream:
-            await writer.whole(200, ENCODER.encode(reply.whole(done)))
+            await writer.whole(200, answer.whole(done))
             return
-        await write(reply.role_chunk())
-        await write(reply.end_chunk(done))
-        if call.include_usage:
-            await writer.event(ENCODER.encode(reply.usage_chunk(done)))
-        await writer.event(b"[DONE]")
+        await writer.stream(*answer.end(done))
         await writer.end()
 
 
 class CompletionRoute:
-    """The ASGI app of a completion route (an object, not a function, so
+    """The ASGI app of a generating route (an object, not a function, so
     that Starlette hands it the raw ASGI messages)."""
 
-    def __init__(self, completions: Completions, *, chat: bool) -> None:
+    def __init__(self, completions: Completions, dialect: Dialect) -> None:
         self.completions = completions
-        self.chat = chat
+        self.dialect = dialect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.completions.serve(scope, receive, send, chat=self.chat)
+        await self.completions.serve(scope, receive, send, self.dialect)
 
 
 def check_available(entry: ModelEntry) -> None:

@@ -16,6 +16,7 @@ from ipc.messages import ErrorCode
 from supervisor.registry.registry import RequestError
 
 RETRY_AFTER_BUSY_S = 1
+ENCODER = msgspec.json.Encoder()
 
 # Every registry error code, as an HTTP status and an OpenAI error type.
 ERROR_STATUS: dict[ErrorCode, tuple[int, str]] = {

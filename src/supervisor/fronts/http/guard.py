@@ -154,6 +154,18 @@ def is_same_origin(origin: str, host: str) -> bool:
     return origin in (f"http://{host.lower()}", f"https://{host.lower()}")
 
 
+CORS_HEADERS = [
+    "Authorization",
+    "Content-Type",
+    # Anthropic's browser client sends its key and version as headers of its own.
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+    "anthropic-dangerous-direct-browser-access",
+]
+"""The request headers an allowed origin's page may send."""
+
+
 class HttpGuard:
     """The ASGI layer in front of every route: the Host, Origin and body
     checks of this module, then CORS for ``cors_origins``, then ``app``.
@@ -175,7 +187,7 @@ class HttpGuard:
                 app,
                 allow_origins=cors_origins,
                 allow_methods=["GET", "POST", "OPTIONS"],
-                allow_headers=["Authorization", "Content-Type"],
+                allow_headers=CORS_HEADERS,
                 max_age=CORS_MAX_AGE_S,
             )
         self.app: ASGIApp = self.cors or app

@@ -10,14 +10,17 @@ import secrets
 import time
 from typing import Any
 
-import msgspec
-
 from ipc.messages import GenerationDone, TextChunk, TokenLogprob, ToolCall
 from supervisor import __version__
-from supervisor.fronts.http.errors import ApiError
+from supervisor.fronts.http.dialect import CompletionCall
+from supervisor.fronts.http.errors import ENCODER, ApiError
+from supervisor.fronts.http.streaming import sse
+
+__all__ = [
+    "ENCODER", "OWNER", "OpenAIAnswer", "Reply", "broken_tool_call", "supervisor_fields", "usage",
+]  # fmt: skip
 
 OWNER = "mlx-supervisor"
-ENCODER = msgspec.json.Encoder()
 
 # Our finish reasons as OpenAI's (ours is also sent, in the "supervisor" field).
 FINISH_REASONS = {
@@ -185,7 +188,7 @@ class Reply:
     def end_chunk(self, done: GenerationDone) -> dict[str, Any]:
         part: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
         return self._chunk(
-            {**part, "finish_reason": self.finish_reason(done)}, supervisor=self._ours(done)
+            {**part, "finish_reason": self.finish_reason(done)}, supervisor=supervisor_fields(done)
         )
 
     def usage_chunk(self, done: GenerationDone) -> dict[str, Any]:
@@ -213,24 +216,58 @@ class Reply:
                 logprobs = TextLogprobs().of(self.token_logprobs)
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         kind = "chat.completion" if self.chat else "text_completion"
-        return self._object(kind, [choice], usage=usage(done), supervisor=self._ours(done))
+        return self._object(kind, [choice], usage=usage(done), supervisor=supervisor_fields(done))
 
-    @staticmethod
-    def _ours(done: GenerationDone) -> dict[str, Any]:
-        """What OpenAI's objects have no field for. ``invalid_tool_call``: the
-        text of a tool call that max_tokens cut short."""
-        ours = {
-            "finish_reason": done.finish_reason,
-            "detail": done.detail,
-            "ttft_s": round(done.ttft_s, 4),
-            "prompt_tps": round(done.prompt_tps, 1),
-            "generation_tps": round(done.generation_tps, 1),
-            "batched": done.batched,
-            "max_tokens_clamped_to": done.max_tokens_clamped_to,
-        }
-        if done.invalid_tool_call is not None:
-            ours["invalid_tool_call"] = done.invalid_tool_call
-        return ours
+
+class OpenAIAnswer:
+    """A chat or text completion's :class:`Reply` as the request path takes
+    an answer: a stream opens with the role chunk and ends with the finish
+    chunk, the usage chunk when asked for, and ``[DONE]``."""
+
+    def __init__(self, call: CompletionCall, model: str) -> None:
+        self.stream = call.stream
+        self.reply = Reply(call.chat, model, call.include_usage, call.sampling.logprobs)
+
+    @property
+    def tool_call_count(self) -> int:
+        return len(self.reply.tool_calls)
+
+    def _opening(self) -> list[bytes]:
+        role = self.reply.role_chunk()
+        return [] if role is None else [sse(ENCODER.encode(role))]
+
+    def add(self, chunk: TextChunk, limit_calls: int | None = None) -> list[bytes]:
+        part = self.reply.add(chunk, limit_calls)
+        if not self.stream or part is None:
+            return []
+        return [*self._opening(), sse(ENCODER.encode(part))]
+
+    def end(self, done: GenerationDone) -> list[bytes]:
+        events = [*self._opening(), sse(ENCODER.encode(self.reply.end_chunk(done)))]
+        if self.reply.include_usage:
+            events.append(sse(ENCODER.encode(self.reply.usage_chunk(done))))
+        return [*events, sse(b"[DONE]")]
+
+    def whole(self, done: GenerationDone) -> bytes:
+        return ENCODER.encode(self.reply.whole(done))
+
+
+def supervisor_fields(done: GenerationDone) -> dict[str, Any]:
+    """What an API's objects have no field for, in their ``supervisor``
+    field: our finish reason and its detail, the request's timings, and
+    ``invalid_tool_call``, the text of a tool call that max_tokens cut short."""
+    ours = {
+        "finish_reason": done.finish_reason,
+        "detail": done.detail,
+        "ttft_s": round(done.ttft_s, 4),
+        "prompt_tps": round(done.prompt_tps, 1),
+        "generation_tps": round(done.generation_tps, 1),
+        "batched": done.batched,
+        "max_tokens_clamped_to": done.max_tokens_clamped_to,
+    }
+    if done.invalid_tool_call is not None:
+        ours["invalid_tool_call"] = done.invalid_tool_call
+    return ours
 
 
 def usage(done: GenerationDone) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ipc.messages import (
     ToolCall,
     ToolChoiceMode,
 )
+from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ApiError
 from supervisor.registry.registry import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -305,15 +306,24 @@ def chat_options(body: ChatCompletionRequest) -> ChatOptions:
         if spec.schema is not None:
             kind = "json_schema"
         response_format = ResponseFormat(kind, spec.schema, spec.name)
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        if body.reasoning_effort == "none":
-            kwargs.setdefault("enable_thinking", False)
+    kwargs = reasoning_kwargs(body.reasoning_effort, body.chat_template_kwargs)
     return ChatOptions(
         tools=body.tools or None, tool_choice=choice, response_format=response_format,
         chat_template_kwargs=kwargs or None,
     )  # fmt: skip
+
+
+def reasoning_kwargs(effort: str | None, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chat template's arguments for a reasoning effort, on top of those
+    ``given``, which win: the effort as the variable of that name (gpt-oss's
+    template reads it), and ``"none"`` as ``enable_thinking=False`` (Qwen3's
+    and most thinking templates)."""
+    kwargs = dict(given or {})
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return kwargs
 
 
 def sampling_params(
@@ -352,23 +362,6 @@ def sampling_params(
         top_logprobs=top_logprobs,
         max_reasoning_tokens=getattr(body, "max_reasoning_tokens", None),
     )
-
-
-class CompletionCall(msgspec.Struct, kw_only=True):
-    """A completion request, checked, waiting for its model.
-    ``single_tool_call``: ``parallel_tool_calls`` false, so the answer ends at
-    the model's first tool call."""
-
-    chat: bool
-    model: str
-    messages: list[ChatMessage] | None
-    prompt: str | None
-    max_tokens: int | None
-    sampling: SamplingParams
-    options: ChatOptions = ChatOptions()
-    stream: bool
-    include_usage: bool
-    single_tool_call: bool = False
 
 
 def completion_call(body: ChatCompletionRequest | CompletionRequest) -> CompletionCall:

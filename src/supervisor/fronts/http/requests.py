@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.errors import ApiError, internal_error, validation_error
+from supervisor.fronts.http.streaming import OPENAI, Framing
 from supervisor.registry.registry import RequestError
 
 log = structlog.get_logger("supervisor.http")
@@ -26,8 +27,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class ApiKey:
-    """The ``api_key`` a request must carry as ``Authorization: Bearer KEY``
-    (None: no key is asked for)."""
+    """The ``api_key`` a request must carry, as ``Authorization: Bearer KEY``
+    (OpenAI's and Ollama's clients) or ``x-api-key: KEY`` (Anthropic's);
+    None: no key is asked for."""
 
     def __init__(self, key: str | None) -> None:
         self._key = key.encode() if key is not None else None
@@ -37,17 +39,23 @@ class ApiKey:
         if self._key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 self._key):  # fmt: skip
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), self._key):
             raise ApiError(
-                401, "missing or wrong API key (Authorization: Bearer KEY)",
+                401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                 type="authentication_error", code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )  # fmt: skip
 
 
-def guarded(handler: Handler, key: ApiKey | None) -> Handler:
-    """``handler`` as a fault boundary (and behind ``key``, when given)."""
+def guarded(handler: Handler, key: ApiKey | None, framing: Framing = OPENAI) -> Handler:
+    """``handler`` as a fault boundary (and behind ``key``, when given); its
+    errors in the shape ``framing`` gives them."""
+
+    def failed(error: ApiError) -> Response:
+        body = framing.error_body(error)
+        return Response(body, error.status, error.headers, media_type="application/json")
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -55,14 +63,14 @@ def guarded(handler: Handler, key: ApiKey | None) -> Handler:
                 key.check(request)
             return await handler(request)
         except ApiError as err:
-            return err.response()
+            return failed(err)
         except RequestError as exc:
-            return ApiError.from_request_error(exc).response()
+            return failed(ApiError.from_request_error(exc))
         except ClientDisconnect:
             return Response(status_code=400)  # no one reads it
         except Exception as exc:  # a fault boundary: the daemon outlives any request
             log.exception("http_request_failed", path=request.url.path)
-            return internal_error(exc).response()
+            return failed(internal_error(exc))
 
     return endpoint
 

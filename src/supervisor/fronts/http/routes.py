@@ -1,5 +1,6 @@
 """The HTTP front's routes besides completions: ``GET /v1/models`` and
-``/v1/models/{model}`` (loaded models, then configured ones), ``GET /health``
+``/v1/models/{model}`` (loaded models, then configured ones, each with its
+context length when its files say it), ``GET /health``
 (a one-line summary, 503 while shutting down) and ``GET /metrics``
 (Prometheus)."""
 
@@ -10,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -17,8 +19,9 @@ from starlette.responses import PlainTextResponse, Response
 from ipc.messages import StatusReply
 from supervisor import __version__
 from supervisor.config import SupervisorConfig
-from supervisor.fronts.http.errors import ApiError
-from supervisor.fronts.http.openai_replies import ENCODER, OWNER
+from supervisor.fronts.http.errors import ENCODER, ApiError
+from supervisor.fronts.http.openai_replies import OWNER
+from supervisor.fronts.model_facts import model_facts
 from supervisor.registry.registry import Registry
 
 
@@ -54,8 +57,16 @@ class InfoRoutes:
         """The metrics, in Prometheus' text format."""
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def _model_objects(self) -> list[dict[str, Any]]:
+    async def _model_objects(self) -> list[dict[str, Any]]:
         """Loaded models, then configured ones that are not loaded."""
+        objects = self._listed()
+        for obj in objects:
+            facts = await anyio.to_thread.run_sync(model_facts, obj["model"])
+            # vLLM's name for it too, which several clients read
+            obj["context_length"] = obj["max_model_len"] = facts.context_length
+        return objects
+
+    def _listed(self) -> list[dict[str, Any]]:
         objects = []
         status = self.status()
         started = int(time.time() - status.supervisor.uptime_s)
@@ -78,12 +89,12 @@ class InfoRoutes:
         return objects
 
     async def list_models(self, request: Request) -> Response:
-        body = {"object": "list", "data": self._model_objects()}
+        body = {"object": "list", "data": await self._model_objects()}
         return Response(ENCODER.encode(body), media_type="application/json")
 
     async def get_model(self, request: Request) -> Response:
         wanted = request.path_params["model"]
-        for obj in self._model_objects():
+        for obj in await self._model_objects():
             if wanted in (obj["id"], obj["model"]):
                 return Response(ENCODER.encode(obj), media_type="application/json")
         raise ApiError(404, f"no model {wanted!r}", type="not_found_error", code="unknown_model",

@@ -1,10 +1,14 @@
-"""The OpenAI-compatible HTTP front: uvicorn, run as a task of the daemon's
-task group.
+"""The HTTP front: uvicorn, run as a task of the daemon's task group.
 
 Starlette routes on uvicorn, beside the control socket, over the same
-registry: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST
-/v1/completions`` (one JSON body, or server-sent events with ``stream``),
-``GET /health`` and ``GET /metrics``. The server itself runs in the daemon's
+registry: OpenAI's ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``POST /v1/completions`` (one JSON body, or server-sent events with
+``stream``); Anthropic's ``POST /v1/messages``
+(:mod:`~supervisor.fronts.http.messages_api`); OpenAI's ``POST
+/v1/responses`` (:mod:`~supervisor.fronts.http.responses_api`); Ollama's
+``/api/*`` (:mod:`~supervisor.fronts.http.ollama_api`); ``GET /health`` and
+``GET /metrics``. Every generating route is one dialect of the one request
+path (:mod:`~supervisor.fronts.http.completions`). The server itself runs in the daemon's
 task group; each request runs in an asyncio task of uvicorn's own, which
 uvicorn cancels when it shuts down: :meth:`HttpFront.stop` gives open
 requests STOP_GRACE_S to finish first. Each request is a fault boundary, as a
@@ -41,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.messages import StatusReply
 from supervisor.config import SupervisorConfig
+from supervisor.fronts.http import messages_api, ollama_api, responses_api
 from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.errors import routing_error
 from supervisor.fronts.http.guard import HttpGuard
@@ -52,7 +57,6 @@ from supervisor.registry.registry import Registry
 log = structlog.get_logger("supervisor.http")
 
 STOP_GRACE_S = 2  # open connections get this long to finish when the daemon exits
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
 
 
 class HttpFront:
@@ -88,7 +92,11 @@ class HttpFront:
             Route("/v1/completions", self.completions.route(chat=False), methods=["POST"]),
             Route("/health", guarded(info.health, None), methods=["GET"]),
             Route("/metrics", guarded(info.prometheus, key), methods=["GET"]),
+            *messages_api.routes(self.completions, info, key),
+            *responses_api.routes(self.completions, info, key),
+            *ollama_api.routes(self.completions, info, key),
         ]
+        self.paths = frozenset(route.path for route in routes if "{" not in route.path)
         starlette = Starlette(routes=routes, exception_handlers={HTTPException: routing_error})
         # Before any routing: what a web page may not do (Host, Origin, JSON bodies), and CORS.
         self._guard = HttpGuard(starlette, allowed_hosts=config.http_allowed_hosts,
@@ -161,12 +169,12 @@ class HttpFront:
                 await app(scope, receive, send_observed)
             finally:
                 path = scope["path"]
-                route = path if path in ROUTES else "other"
+                route = path if path in self.paths else "other"
                 if path.startswith("/v1/models/"):
                     route = "/v1/models/{model}"
                 code = str(status[0]) if status[0] else "none"  # the client left first
                 self.metrics.http_requests.labels(route, code).inc()
-                level = log.info if path.startswith("/v1/") else log.debug
+                level = log.info if path.startswith(("/v1/", "/api/")) else log.debug
                 level("http_request", method=scope["method"], path=route, status=status[0],
                       elapsed_s=round(time.perf_counter() - started, 3))  # fmt: skip
 

@@ -1,21 +1,74 @@
-"""Writing one HTTP response to an ASGI ``send``: a whole JSON body, or
-server-sent events, each write within a deadline; and the watch on
-``receive`` that tells when the client has left."""
+"""Writing one HTTP response to an ASGI ``send``: a whole JSON body, or a
+stream (server-sent events, or Ollama's JSON lines), each write within a
+deadline; and the watch on ``receive`` that tells when the client has left.
+
+How a stream is framed, and what an error looks like, is each API's own
+(:class:`Framing`): OpenAI's bare ``data:`` events, Anthropic's and the
+Responses API's named events, Ollama's newline-delimited JSON."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol
 
 import anyio
 from starlette.types import Message, Receive, Send
 
-from supervisor.fronts.http.errors import ApiError
-from supervisor.fronts.http.openai_replies import ENCODER
+from supervisor.fronts.http.errors import ENCODER, ApiError
 from supervisor.fronts.mailbox import ClientGone
 
 
 def sse(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
+
+
+def named_sse(name: str, data: bytes) -> bytes:
+    """A server-sent event with its name (Anthropic's and the Responses API's)."""
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def ndjson(data: bytes) -> bytes:
+    """One line of a newline-delimited JSON stream (Ollama's)."""
+    return data + b"\n"
+
+
+class Framing(Protocol):
+    """How one API frames a stream and shapes its errors."""
+
+    media_type: str
+    """A stream's content type."""
+
+    def comment(self, text: str) -> bytes | None:
+        """A keep-alive that clients skip (None: the framing has none)."""
+        ...
+
+    def error_body(self, error: ApiError) -> bytes:
+        """``error`` as a whole response's JSON body."""
+        ...
+
+    def error_event(self, error: ApiError, call: object = None) -> bytes:
+        """``error`` as a stream's last event, framed; ``call``: the request
+        it ends, once parsed (an API whose events are numbered numbers it
+        after the call's own)."""
+        ...
+
+
+class OpenAIFraming:
+    """OpenAI's: ``data:`` events, comments as keep-alives, ``{"error": {...}}``."""
+
+    media_type = "text/event-stream; charset=utf-8"
+
+    def comment(self, text: str) -> bytes | None:
+        return f": {text}\n\n".encode()
+
+    def error_body(self, error: ApiError) -> bytes:
+        return ENCODER.encode(error.body())
+
+    def error_event(self, error: ApiError, call: object = None) -> bytes:
+        return sse(self.error_body(error))
+
+
+OPENAI = OpenAIFraming()
 
 
 # What a send raises once the client has gone: OSError (as the ASGI spec asks
@@ -30,8 +83,10 @@ class ResponseWriter:
     status; each write has a deadline (a client that reads nothing this long
     is gone), and a client that left makes every write raise ClientGone."""
 
-    def __init__(self, send: Send, write_timeout_s: float) -> None:
+    def __init__(self, send: Send, write_timeout_s: float, framing: Framing = OPENAI) -> None:
         self._send = send
+        self.framing = framing
+        self.call: object = None  # the request, once parsed: its error event may need it
         self.write_timeout_s = write_timeout_s
         self.started = False
         self.streaming = False
@@ -70,19 +125,23 @@ class ResponseWriter:
 
     async def event(self, data: bytes) -> None:
         """One server-sent event (``data: ...``), the head first if need be."""
-        await self._stream_bytes(sse(data))
+        await self.stream(sse(data))
 
     async def comment(self, text: str) -> None:
-        """A server-sent comment: a keep-alive that clients skip."""
-        await self._stream_bytes(f": {text}\n\n".encode())
+        """A keep-alive that clients skip, where the framing has one."""
+        framed = self.framing.comment(text)
+        if framed is not None:
+            await self.stream(framed)
 
-    async def _stream_bytes(self, chunk: bytes) -> None:
+    async def stream(self, *chunks: bytes) -> None:
+        """Framed stream bytes, the head first if need be."""
         messages: list[Message] = []
         if not self.started:
             self.streaming = True
             headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-            messages.append(self._head(200, "text/event-stream; charset=utf-8", headers))
-        messages.append({"type": "http.response.body", "body": chunk, "more_body": True})
+            messages.append(self._head(200, self.framing.media_type, headers))
+        body = b"".join(chunks)
+        messages.append({"type": "http.response.body", "body": body, "more_body": True})
         await self._write(*messages)
 
     async def end(self) -> None:
@@ -96,9 +155,9 @@ class ResponseWriter:
         its last event. Best effort: the client may be gone."""
         with contextlib.suppress(ClientGone):
             if not self.started:
-                await self.whole(error.status, ENCODER.encode(error.body()), error.headers)
+                await self.whole(error.status, self.framing.error_body(error), error.headers)
             elif self.streaming and not self.ended:
-                await self.event(ENCODER.encode(error.body()))
+                await self.stream(self.framing.error_event(error, self.call))
                 await self.end()
 
 
