@@ -54,6 +54,27 @@ def done(finish: str = "stop", **fields: Any) -> GenerationDone:
     )
 
 
+class ScriptedEntry:
+    """The scripted registry's one model, ``tiny``: ready, and idle between
+    requests (``touched`` counts the uses that restart its idle timer)."""
+
+    name = "tiny"
+    state = "ready"
+    active_requests = 0
+
+    def __init__(self) -> None:
+        self.spec = SimpleNamespace(max_tokens=None, keep_alive_s=None, pinned=False)
+        self.keep_alive_s = 0.0
+        self.touched = 0
+
+    @property
+    def evictable(self) -> bool:
+        return self.state == "ready" and not self.spec.pinned
+
+    def touch(self) -> None:
+        self.touched += 1
+
+
 class ScriptedRegistry:
     """A registry whose one model, ``tiny``, answers every generate with
     ``frames`` and every token count with ``token_count``; it keeps each
@@ -70,10 +91,7 @@ class ScriptedRegistry:
         self.counted: list[tuple[list[ChatMessage] | None, str | None, ChatOptions]] = []
         self.cancelled: list[bool] = []
         self.unloaded: list[str] = []
-        self.entry = SimpleNamespace(
-            name="tiny", state="ready", spec=SimpleNamespace(max_tokens=None),
-            keep_alive_s=0.0, active_requests=0,
-        )  # fmt: skip
+        self.entry = ScriptedEntry()
         self.entries: dict[str, Any] = {"tiny": self.entry}
 
     async def ensure_loaded(self, ref: str, on_progress: Any) -> Any:

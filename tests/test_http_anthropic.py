@@ -58,7 +58,7 @@ CALLS = [
     ToolCall("toolu_2", "get_weather", '{"city": "Rome"}'),
 ]
 FRAMES: list[TextChunk | GenerationDone] = [
-    TextChunk(1, "", 2, reasoning="They ask "),
+    TextChunk(1, "", 2, reasoning="They ask ", prompt_tokens=40, cached_tokens=32),
     TextChunk(1, "Let me ", 3, reasoning="the weather."),
     TextChunk(1, "look.", 4),
     TextChunk(1, "", 6, tool_calls=CALLS[:1]),
@@ -163,7 +163,8 @@ async def test_the_stream_helper_rebuilds_the_whole_message() -> None:
 @pytest.mark.anyio
 async def test_raw_stream_events_come_in_anthropic_order() -> None:
     """Each block opens, takes its deltas and closes before the next kind
-    begins, with increasing indexes; the usage comes whole at the end."""
+    begins, with increasing indexes; ``message_start`` has the prompt's
+    counts (from the first frame) and the usage comes whole at the end."""
     api = api_of(ScriptedRegistry(FRAMES))
     stream = await api.messages.create(
         model="tiny", max_tokens=64, messages=HELLO, tools=[WEATHER], stream=True
@@ -205,12 +206,36 @@ async def test_raw_stream_events_come_in_anthropic_order() -> None:
         [],
         None,
     )
+    assert (start.usage.input_tokens, start.usage.cache_read_input_tokens) == (8, 32)
+    assert (start.usage.output_tokens, start.usage.cache_creation_input_tokens) == (0, 0)
     assert events[9].content_block.input == {} and events[9].content_block.name == "get_weather"
     assert events[10].delta.partial_json == '{"city": "Paris"}'
     delta = events[-2]
     assert (delta.delta.stop_reason, delta.delta.stop_sequence) == ("tool_use", None)
     assert (delta.usage.output_tokens, delta.usage.input_tokens) == (9, 8)
     assert delta.usage.cache_read_input_tokens == 32
+
+
+@pytest.mark.anyio
+async def test_message_start_counts_the_prompt_it_knows_of() -> None:
+    """The first frame's counts, even when it has no text yet; without them,
+    0; with no frame before the end, the end's counts."""
+    registry = ScriptedRegistry()
+    api = api_of(registry)
+    last = msgspec.structs.replace(done(cached_tokens=4), prompt_tokens=10)
+    cases = [
+        ([TextChunk(1, "", 1, prompt_tokens=12, cached_tokens=0), TextChunk(1, "A.", 2)], 12, 0),
+        ([TextChunk(1, "A.", 1)], 0, 0),
+        ([], 6, 4),
+    ]
+    for frames, computed, cached in cases:
+        registry.frames = [*frames, last]
+        stream = await api.messages.create(model="tiny", max_tokens=8, messages=HELLO, stream=True)
+        events = [event async for event in stream]
+        assert events[0].type == "message_start", frames
+        start, end = events[0].message.usage, events[-2].usage
+        assert (start.input_tokens, start.cache_read_input_tokens) == (computed, cached), frames
+        assert (end.input_tokens, end.cache_read_input_tokens) == (6, 4)
 
 
 @pytest.mark.anyio
@@ -551,7 +576,8 @@ async def test_a_broken_tool_call_is_an_api_error_whole_or_as_the_streams_last_e
 def test_count_tokens_is_the_prompt_of_a_real_answer(start_daemon: DaemonFactory) -> None:
     """builtin:tiny, configured and loaded on demand by the count: the count
     is the prompt tokens (computed and read from the cache) of an answer to
-    the same body, and the answer names the model as configured."""
+    the same body, whole or streamed (there ``message_start`` has them), and
+    the answer names the model as configured."""
     config = '[[models]]\nname = "terse"\nmodel = "builtin:tiny"\n'
     daemon = start_daemon(config, env={HTTP_ENV: "127.0.0.1:0"})
     url = Client(daemon.socket_path).status().supervisor.http
@@ -574,6 +600,11 @@ def test_count_tokens_is_the_prompt_of_a_real_answer(start_daemon: DaemonFactory
     assert message.model == "terse" and message.content[0].type == "text"
     assert message.usage.cache_read_input_tokens is not None
     assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens > 10
+    with api.messages.stream(max_tokens=3, **body) as stream:
+        start = next(event for event in stream if event.type == "message_start").message.usage
+        stream.until_done()
+    assert start.cache_read_input_tokens is not None and start.output_tokens == 0
+    assert start.input_tokens + start.cache_read_input_tokens == counted  # from the first frame
 
 
 def test_the_readme_names_each_ignored_field() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from conftest import DaemonFactory
 from ipc.messages import (
     ChatMessage,
     ResponseFormat,
+    RunnerInfo,
     SamplingParams,
     TextChunk,
     TokenLogprob,
@@ -39,7 +41,12 @@ from supervisor.fronts.http.ollama_api import (
     routes,
     template_capabilities,
 )
-from supervisor.fronts.http.ollama_chat import IGNORED_OPTIONS, Options, duration_seconds
+from supervisor.fronts.http.ollama_chat import (
+    IGNORED_OPTIONS,
+    Options,
+    duration_seconds,
+    model_name,
+)
 from supervisor.fronts.model_facts import model_facts
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -326,18 +333,47 @@ def test_keep_alive_takes_seconds_and_go_durations() -> None:
 @pytest.mark.anyio
 async def test_keep_alive_reaches_the_model_in_each_form() -> None:
     registry = ScriptedRegistry(THOUGHT_AND_WORDS)
-    client = ollama_of(registry)
+    client = ollama_of(registry, config=SupervisorConfig(keep_alive_s=45))
+    year = 365 * 86_400
     for keep_alive, seconds in (("5m", 300), (10, 10), ("1h30m", 5400), (2.5, 2.5),
-                                (-1, 0.0), ("-1", 0.0)):  # fmt: skip
+                                (-1, 0.0), ("-1", 0.0), (year, year), (year + 1, 0.0),
+                                ("9000h", 0.0), (1e300, 0.0)):  # fmt: skip
+        touched = registry.entry.touched
         await client.chat(model="tiny", messages=CHAT, keep_alive=keep_alive)
         assert registry.entry.keep_alive_s == seconds, keep_alive  # ours: 0 is never
+        assert registry.entry.touched > touched, keep_alive  # its idle timer starts again
     assert registry.unloaded == []
     await client.generate(model="tiny", prompt="Hi", keep_alive="0s")
     assert registry.unloaded == ["tiny"]  # unloaded once the answer is out
-    for bad in ("soon", "5 minutes", "1h-30m", ""):
+    for bad in ("soon", "5 minutes", "1h-30m", "", "inf", "-inf", "1e400", "NaN", "nan"):
         with pytest.raises(ollama.ResponseError) as caught:
             await client.chat(model="tiny", messages=CHAT, keep_alive=bad)
         assert "keep_alive" in refused(caught), bad
+    async with httpx.AsyncClient(transport=front(registry), base_url="http://front") as http:
+        huge = await http.post("/api/chat", content=b'{"model": "tiny", "keep_alive": 1e400}')
+    assert huge.status_code == 400 and "keep_alive" in huge.json()["error"]
+
+
+@pytest.mark.anyio
+async def test_a_request_without_keep_alive_brings_the_models_own_back() -> None:
+    registry = ScriptedRegistry(THOUGHT_AND_WORDS)
+    client = ollama_of(registry, config=SupervisorConfig(keep_alive_s=45))
+    asked: list[Any] = [
+        client.chat(model="tiny", messages=CHAT),
+        client.generate(model="tiny", prompt="Hi"),
+        client.generate(model="tiny"),  # the empty load
+        client.chat(model="tiny", messages=[]),
+    ]
+    for request in asked:
+        await client.chat(model="tiny", messages=CHAT, keep_alive=-1)
+        assert registry.entry.keep_alive_s == 0.0  # never, for as long as it is asked
+        touched = registry.entry.touched
+        await request
+        assert registry.entry.keep_alive_s == 45  # the daemon's, not the last client's
+        assert registry.entry.touched > touched
+    registry.entry.spec.keep_alive_s = 90  # the model's own, from its [[models]] entry
+    await client.chat(model="tiny", messages=CHAT)
+    assert registry.entry.keep_alive_s == 90
 
 
 @pytest.mark.anyio
@@ -347,6 +383,7 @@ async def test_an_empty_request_loads_the_model_and_with_keep_alive_0_unloads_it
     loaded = await client.chat(model="tiny", messages=[], keep_alive="10m")
     assert (loaded.done, loaded.done_reason, loaded.message.role) == (True, "load", "assistant")
     assert registry.entry.keep_alive_s == 600
+    assert registry.entry.touched == 1  # idle from now: not expired for an old last use
     loaded_g = await client.generate(model="tiny", stream=True)
     assert [(p.done, p.done_reason, p.response) async for p in loaded_g] == [(True, "load", "")]
     assert registry.requests == []  # nothing was generated
@@ -358,6 +395,48 @@ async def test_an_empty_request_loads_the_model_and_with_keep_alive_0_unloads_it
         await client.chat(model="nope", keep_alive=0)
     assert refused(caught, 404) == "model 'nope' not found"
     assert registry.requests == []
+    async with httpx.AsyncClient(transport=front(registry), base_url="http://front") as http:
+        plain = await http.post("/api/generate", json={"model": "tiny", "keep_alive": 0})
+    assert "supervisor" not in plain.json()  # unloaded now: nothing to add
+
+
+@pytest.mark.anyio
+async def test_keep_alive_0_leaves_a_pinned_model_and_a_busy_one_goes_once_idle() -> None:
+    registry = ScriptedRegistry(THOUGHT_AND_WORDS)
+    client = ollama_of(registry)
+    registry.entry.spec.pinned = True
+    with pytest.raises(ollama.ResponseError) as caught:
+        await client.generate(model="tiny", keep_alive=0)
+    assert refused(caught, 409).startswith("tiny is pinned: keep_alive 0 does not unload it")
+    assert (registry.unloaded, registry.entry.touched) == ([], 0)  # nothing was done
+
+    registry.entry.spec.pinned = False
+    registry.entry.state = "busy"  # a request in flight: not evictable
+    async with httpx.AsyncClient(transport=front(registry), base_url="http://front") as http:
+        answer = (await http.post("/api/chat", json={"model": "tiny", "keep_alive": 0})).json()
+    assert (answer["done"], answer["done_reason"]) == (True, "unload")
+    assert answer["supervisor"] == {"note": "tiny is in use: it unloads once its requests end"}
+    assert registry.unloaded == []  # not now: keep-alive expiry takes it once it is idle
+    assert 0 < registry.entry.keep_alive_s < 1
+
+
+@pytest.mark.anyio
+async def test_a_final_latest_tag_names_the_model_without_it() -> None:
+    registry = ScriptedRegistry(THOUGHT_AND_WORDS)
+    client = ollama_of(registry)
+    reply = await client.chat(model="tiny:latest", messages=CHAT)
+    assert (reply.model, reply.message.content) == ("tiny", "Hello there")
+    assert (await client.generate(model="builtin:tiny:latest", prompt="Hi")).model == "tiny"
+    loaded = await client.generate(model="tiny:latest")
+    assert (loaded.done_reason, loaded.model) == ("load", "tiny")
+    unloaded = await client.chat(model="builtin:tiny:latest", messages=[], keep_alive=0)
+    assert (unloaded.done_reason, registry.unloaded) == ("unload", ["tiny"])
+    with pytest.raises(ollama.ResponseError) as caught:  # only a final :latest goes
+        await client.chat(model="tiny:latest:v2", messages=[], keep_alive=0)
+    assert refused(caught, 404) == "model 'tiny:latest:v2' not found"
+    assert [model_name(n) for n in ("builtin:tiny", "a:latest:b", "x:latest")] == [
+        "builtin:tiny", "a:latest:b", "x"]  # fmt: skip
+    assert len(registry.requests) == 2
 
 
 # --- tools -------------------------------------------------------------------------
@@ -404,6 +483,32 @@ async def test_tool_calls_come_as_objects_and_their_answers_go_back_to_them() ->
     sent = registry.requests[-1].messages or []
     assert [(m.tool_call_id, m.name) for m in sent[2:]] == [
         ("call_1_1", "get_time"), ("call_1_0", "get_weather")]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_tool_turns_answer_by_id_then_tool_then_order() -> None:
+    registry = ScriptedRegistry(THOUGHT_AND_WORDS)
+    # Open WebUI's Ollama connection: each call with its index and id at the top.
+    three = {"role": "assistant", "content": "", "tool_calls": [
+        {"index": 0, "id": "w1", "function": {"name": "get_weather", "arguments": {}}},
+        {"index": 1, "id": "t1", "function": {"name": "get_time", "arguments": {}}},
+        {"index": 2, "function": {"index": 2, "name": "get_date", "arguments": {}}},
+    ]}  # fmt: skip
+    history = [
+        *CHAT, three,
+        {"role": "tool", "content": "a", "tool_call_id": "t1"},  # by id
+        {"role": "tool", "content": "b", "tool_call_id": "gone", "tool_name": "get_date"},
+        {"role": "tool", "content": "c", "tool_name": "get_news"},  # no such call: the first
+        {"role": "tool", "content": "d"},  # nothing left to answer: no id
+    ]  # fmt: skip
+    async with httpx.AsyncClient(transport=front(registry), base_url="http://front") as http:
+        sent = await http.post("/api/chat", json={"model": "tiny", "messages": history,
+                                                  "stream": False})  # fmt: skip
+    assert sent.status_code == 200, sent.text
+    messages = registry.requests[-1].messages or []
+    assert [c.id for c in messages[1].tool_calls or []] == ["w1", "t1", "call_1_2"]
+    assert [(m.tool_call_id, m.name) for m in messages[2:]] == [
+        ("t1", "get_time"), ("call_1_2", "get_date"), ("w1", "get_news"), (None, None)]  # fmt: skip
 
 
 @pytest.mark.anyio
@@ -510,12 +615,17 @@ async def test_version_list_ps_and_show_parse_in_the_clients_types() -> None:
     (loaded,) = (await client.ps()).models
     assert loaded.expires_at is not None
     assert abs(loaded.expires_at.timestamp() - (time.time() + 60)) < 30
+    for endless in (1e300, math.inf, math.nan):  # past any date: never
+        registry.entry.keep_alive_s = endless
+        (loaded,) = (await client.ps()).models
+        assert loaded.expires_at is not None and loaded.expires_at.year > 2200
 
     shown = await client.show("tiny")
     assert shown.modelinfo == {"general.architecture": "llama", "llama.context_length": 4096}
     assert shown.capabilities == ["completion"]  # builtin:tiny's template has no tools
     assert shown.details is not None and shown.details.family == "llama"
     assert (await client.show("small")).details is not None
+    assert (await client.show("small:latest")).details is not None  # the CLI's tag
     with pytest.raises(ollama.ResponseError) as caught:
         await client.show("nope")
     assert refused(caught, 404) == "model 'nope' not found"
@@ -568,12 +678,24 @@ def test_the_readme_names_each_ignored_option() -> None:
 
 
 def test_a_real_model_through_the_ollama_client(start_daemon: DaemonFactory) -> None:
-    daemon = start_daemon(env={HTTP_ENV: "127.0.0.1:0"})
+    daemon = start_daemon("keep_alive_s = 120\n", env={HTTP_ENV: "127.0.0.1:0"})
     control = Client(daemon.socket_path)
     url = control.status().supervisor.http
     assert url is not None
     control.load("builtin:tiny")
     client = ollama.Client(host=url, timeout=120)
+
+    def runner() -> RunnerInfo:
+        (tiny,) = control.status().runners
+        return tiny
+
+    # keep_alive restarts the idle timer and holds for that request; one
+    # with none brings the daemon's keep_alive_s back.
+    idle_since = runner().last_used_at
+    assert idle_since is not None
+    assert client.generate(model="tiny:latest", keep_alive="10m").done_reason == "load"
+    loaded = runner()
+    assert loaded.keep_alive_s == 600 and (loaded.last_used_at or 0) > idle_since
     reply = client.chat(model="tiny", messages=CHAT, options={"num_predict": 8}, stream=False)
     assert reply.done_reason == "length" and reply.eval_count == 8
     assert reply.prompt_eval_count and reply.prompt_eval_count > 0
@@ -585,5 +707,12 @@ def test_a_real_model_through_the_ollama_client(start_daemon: DaemonFactory) -> 
     (running,) = client.ps().models
     assert running.size_vram and running.size_vram > 0 and running.context_length == 4096
     assert client.show("tiny").capabilities == ["completion"]
+    assert runner().keep_alive_s == 120  # the requests above gave no keep_alive
     assert client.generate(model="tiny", keep_alive=0).done_reason == "unload"
     assert control.status().runners == []
+
+    control.load("builtin:tiny", pinned=True)
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model="tiny", messages=[], keep_alive=0)
+    assert "tiny is pinned" in refused(caught, 409)
+    assert runner().state == "ready"  # still loaded

@@ -207,7 +207,7 @@ async def test_tool_choice_forms_and_parallel_tool_calls_false() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_broken_tool_call_is_a_500_or_an_error_event_after_the_others() -> None:
+async def test_a_broken_tool_call_is_a_500_or_a_failed_response_after_the_others() -> None:
     frames = [TextChunk(1, "Sure.", 2), done("stop", invalid_tool_call='<tool_call>{"name": ')]
     api = api_of(ScriptedRegistry(frames))
     with pytest.raises(openai.InternalServerError, match="does not parse") as caught:
@@ -215,8 +215,26 @@ async def test_a_broken_tool_call_is_a_500_or_an_error_event_after_the_others() 
     assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "invalid_tool_call"
     stream = await api.responses.create(model="tiny", input="Hi", tools=[WEATHER], stream=True)
     events = [event async for event in stream]
-    assert events[-1].type == "error" and events[-1].code == "invalid_tool_call"
+    error, failed = failed_end(events)
+    assert error.code == failed.response.error.code == "invalid_tool_call"
+    assert [(o.type, o.status, o.content[0].text) for o in failed.response.output] == [
+        ("message", "incomplete", "Sure.")
+    ]
+
+
+def failed_end(events: list[Any]) -> tuple[Any, Any]:
+    """A failed stream's last two events, ``error`` then ``response.failed``
+    (which Responses clients such as Codex wait for), checked: numbered
+    after the others, the failed response the one the stream created, its
+    error the event's. Returns the two events."""
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    error, failed = events[-2:]
+    assert (error.type, failed.type, failed.response.status) == (
+        "error", "response.failed", "failed"
+    )  # fmt: skip
+    assert failed.response.id == events[0].response.id
+    assert failed.response.error.message == error.message
+    return error, failed
 
 
 # --- format, reasoning, length, logprobs ---------------------------------------------------
@@ -367,14 +385,16 @@ class FailingRegistry(ScriptedRegistry):
 
 
 @pytest.mark.anyio
-async def test_an_error_mid_stream_is_an_error_event_numbered_after_the_others() -> None:
+async def test_an_error_mid_stream_ends_it_with_an_error_and_a_failed_response() -> None:
     api = api_of(FailingRegistry([TextChunk(1, "Hel", 1)]))
     stream = await api.responses.create(model="tiny", input="Hi", stream=True)
     events = [event async for event in stream]
     assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
-    error = events[-1]
-    assert error.type == "error" and error.code == "runner_died" and "SIGKILL" in error.message
-    assert [e.sequence_number for e in events] == list(range(len(events)))
+    error, failed = failed_end(events)
+    assert error.code == failed.response.error.code == "runner_died"
+    assert "SIGKILL" in error.message
+    assert failed.response.output_text == "Hel"
+    assert failed.response.output[0].status == "incomplete"
 
 
 def test_an_error_before_the_first_word_still_follows_a_response_created() -> None:
@@ -390,9 +410,14 @@ def test_an_error_before_the_first_word_still_follows_a_response_created() -> No
         ("response.created", 0),
         ("response.in_progress", 1),
         ("error", 2),
+        ("response.failed", 3),
     ]
     assert events[0]["response"]["model"] == "tiny"
     assert (events[2]["code"], events[2]["message"]) == ("not_ready", "tiny is failed")
+    failed = events[3]["response"]
+    assert (failed["id"], failed["status"], failed["output"]) == (events[0]["response"]["id"],
+                                                                  "failed", [])  # fmt: skip
+    assert failed["error"] == {"code": "not_ready", "message": "tiny is failed"}
 
 
 # --- refusals ----------------------------------------------------------------------------

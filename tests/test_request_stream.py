@@ -131,7 +131,7 @@ def test_chunks_merged_for_a_slow_client_keep_every_field() -> None:
 
     call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
     chunks = [
-        TextChunk(7, "a", 1, reasoning="think ", logprobs=[TokenLogprob("a", -0.5)]),
+        TextChunk(7, "a", 1, "think ", None, [TokenLogprob("a", -0.5)], 12, 4),
         TextChunk(7, "", 2, tool_calls=[call], logprobs=[TokenLogprob("<tc>", -0.1)]),
         TextChunk(7, "b", 3, reasoning="more", logprobs=[TokenLogprob("b", -1.0, [("c", -2.0)])]),
     ]
@@ -142,5 +142,9 @@ def test_chunks_merged_for_a_slow_client_keep_every_field() -> None:
     assert merged.logprobs is not None
     assert [e.token for e in merged.logprobs] == ["a", "<tc>", "b"]
     assert merged.logprobs[2].top == [("c", -2.0)]
+    assert (merged.prompt_tokens, merged.cached_tokens) == (12, 4)  # the first frame's
+    empty = TextChunk(0, "", 0)
+    left = [f for f in TextChunk.__struct_fields__ if getattr(merged, f) == getattr(empty, f)]
+    assert not left, f"fields the merge drops: {left}"
     plain = merged_chunks(7, [TextChunk(7, "x", 1), TextChunk(7, "y", 2)])
     assert plain.tool_calls is None and plain.logprobs is None and plain.reasoning == ""

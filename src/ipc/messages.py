@@ -205,6 +205,10 @@ class TextChunk(msgspec.Struct, tag="chunk"):
     reasoning: str = ""
     tool_calls: list[ToolCall] | None = None
     logprobs: list[TokenLogprob] | None = None
+    # The first frame of a request tells its prompt's size (Anthropic's stream
+    # opens with it): its tokens, and those of them the prefix cache gave.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 class GenerationDone(msgspec.Struct, tag="done"):
@@ -494,9 +498,14 @@ class CacheCleared(msgspec.Struct, tag="cache_cleared"):
     bytes: int
 
 
+NO_MODEL_LOADED = "no model loaded"
+"""A :class:`TokenCount`'s ``error`` from a runner that has no model yet."""
+
+
 class TokenCount(msgspec.Struct, tag="token_count"):
     """Runner -> supervisor: the answer to :class:`CountTokens`; ``error``
-    when the template could not render these messages."""
+    when the template could not render these messages (or
+    :data:`NO_MODEL_LOADED`)."""
 
     request_id: int
     tokens: int

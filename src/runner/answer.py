@@ -156,6 +156,7 @@ class AnswerPath:
         if (job.sent_tokens == len(job.tokens) and job.sent == job.ready and not job.reasoning
                 and not calls):  # fmt: skip
             return
+        first = job.sent_tokens == 0  # the request's first frame: it tells the prompt's size
         job.sent_tokens = len(job.tokens)
         job.sent_at = time.perf_counter() if now is None else now
         text, job.sent = job.text[job.sent : job.ready], job.ready
@@ -165,7 +166,9 @@ class AnswerPath:
         job.sent_calls = len(job.tool_calls)
         job.shown = job.shown or bool(text or reasoning or calls)
         self.send(TextChunk(job.request_id, text, job.sent_tokens, reasoning=reasoning,
-                            tool_calls=calls or None, logprobs=logprobs or None))  # fmt: skip
+                            tool_calls=calls or None, logprobs=logprobs or None,
+                            prompt_tokens=len(job.prompt) if first else None,
+                            cached_tokens=job.cached_tokens if first else None))  # fmt: skip
 
     def _flush_all(self) -> None:
         for job in self._running():

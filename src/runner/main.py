@@ -27,6 +27,7 @@ import structlog
 from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
     GROUP_STEP_FAILED,
+    NO_MODEL_LOADED,
     CacheCleared,
     Cancel,
     CauseClass,
@@ -356,7 +357,7 @@ class Runner:
         """Answer how many prompt tokens these fields make (a template that
         cannot render them is the answer's ``error``)."""
         if self.engine is None:
-            self.channel.send(TokenCount(command.request_id, 0, "no model loaded"))
+            self.channel.send(TokenCount(command.request_id, 0, NO_MODEL_LOADED))
             return
         from runner.engine import build_prompt_tokens
 

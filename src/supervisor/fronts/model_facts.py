@@ -4,7 +4,6 @@ a GGUF header, a builtin's recipe) when they are on this machine."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import msgspec
@@ -23,10 +22,23 @@ class ModelFacts(msgspec.Struct, frozen=True):
     path: str | None = None
 
 
-@functools.lru_cache(maxsize=64)
+_known: dict[str, ModelFacts] = {}
+
+
 def model_facts(model: str) -> ModelFacts:
     """The facts of ``model`` (a reference as a config names it). Never
-    raises: files that cannot be read give no facts."""
+    raises: files that cannot be read give no facts. Kept once its files
+    are on this machine (not before: a hub model is fetched at its first
+    load, and its facts are known from then on)."""
+    facts = _known.get(model)
+    if facts is None:
+        facts = _read_facts(model)
+        if facts.path is not None:
+            _known[model] = facts
+    return facts
+
+
+def _read_facts(model: str) -> ModelFacts:
     try:
         config = model_config(model)
         estimate = estimate_reference(model)

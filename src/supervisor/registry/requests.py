@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from ipc import ChannelClosed
+from ipc.messages import NO_MODEL_LOADED as NO_MODEL
 from ipc.messages import (
     CacheCleared,
     ChatMessage,
@@ -74,6 +75,7 @@ class RequestRelay:
         self.metrics = metrics
         self.idle_changed = idle_changed
         self._request_ids = itertools.count(1)
+        self._counting: dict[str, anyio.Lock] = {}  # per model: one token count at a time
 
     async def clear_cache(self, name: str) -> CacheCleared:
         """Drop the named model's prefix cache; its runner stays loaded.
@@ -110,19 +112,28 @@ class RequestRelay:
         """How many prompt tokens a generate with these fields would have on
         ``entry``'s model (its chat template, tools and all).
 
+        The model's load or restart is waited for (up to queue_timeout_s),
+        and a model's counts go to its runner one at a time: the runner takes
+        a command between two steps of its generations, so a burst of counts
+        must not hold those up.
+
         Raises:
-            RequestError: no runner ready to ask, it died or did not answer,
-                or its template could not render the messages (bad_request).
+            RequestError: the model is crashed, failed or stopping, or not
+                ready in time; its runner died or did not answer; or its
+                template could not render the messages (bad_request).
         """
-        handle = entry.handle
-        if handle is None or not handle.alive or entry.state not in ("ready", "busy"):
-            raise RequestError("not_ready", f"{entry.name} is {entry.state}")
+        try:
+            with anyio.fail_after(self.config.queue_timeout_s):
+                handle = await entry.wait_ready()
+        except TimeoutError:
+            raise RequestError("not_ready", f"{entry.name} was not ready in time") from None
         request_id = next(self._request_ids)
         waiter = handle.expect(TokenCount, request_id)
         try:
-            await handle.send(CountTokens(request_id, prompt, messages, chat))
-            with anyio.fail_after(self.config.decode_stall_s):
-                event = await waiter.wait()
+            async with self._counting.setdefault(entry.name, anyio.Lock()):
+                await handle.send(CountTokens(request_id, prompt, messages, chat))
+                with anyio.fail_after(self.config.decode_stall_s):
+                    event = await waiter.wait()
         except TimeoutError:
             raise RequestError("not_ready", f"{entry.name} did not answer in time") from None
         except RunnerGone as gone:
@@ -131,6 +142,8 @@ class RequestRelay:
         finally:
             waiter.cancel()
         assert isinstance(event, TokenCount)
+        if event.error == NO_MODEL:
+            raise RequestError("not_ready", f"{entry.name} has no model loaded")
         if event.error is not None:
             raise RequestError("bad_request", f"the chat template of {entry.name} failed: "
                                f"{event.error}")  # fmt: skip
@@ -421,4 +434,6 @@ def merged_chunks(request_id: int, chunks: list[TextChunk]) -> TextChunk:
         reasoning="".join(chunk.reasoning for chunk in chunks),
         tool_calls=tool_calls or None,
         logprobs=logprobs or None,
+        prompt_tokens=chunks[0].prompt_tokens,  # only a request's first frame has them
+        cached_tokens=chunks[0].cached_tokens,
     )

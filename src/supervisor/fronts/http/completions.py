@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from typing import Literal
 
 import anyio
 import msgspec
@@ -33,6 +34,9 @@ from supervisor.registry.registry import ModelEntry, Registry, RequestError
 from supervisor.waiting import beside, wait_unless
 
 log = structlog.get_logger("supervisor.http")
+
+NOT_SERVING = ("crashed", "failed", "restarting")  # no runner to wait for: unloaded at once
+EXPIRED_S = 1e-3  # a keep-alive of 0 (unload now) for a model in use: expired once it is idle
 
 
 class Completions:
@@ -97,20 +101,28 @@ class Completions:
 
         await beside(functools.partial(watch_disconnect, receive, cancel, writer), work)
 
-    async def keep_alive(self, entry: ModelEntry, keep_alive_s: float | None) -> None:
-        """Apply a request's ``keep_alive_s`` to its model (see
-        :class:`~supervisor.fronts.http.dialect.CompletionCall`): 0 unloads
-        it now, unless other requests are using it (it then goes when they
-        are done, as keep-alive expiry takes it)."""
+    async def keep_alive(
+        self, entry: ModelEntry, keep_alive_s: float | Literal["default"] | None
+    ) -> None:
+        """Apply a request's keep-alive to its model (see
+        :class:`~supervisor.fronts.http.dialect.CompletionCall`). 0 unloads
+        it now if nothing else holds it (no request in flight or in line), or
+        if it has no runner to serve (crashed, failed, restarting); otherwise
+        keep-alive expiry takes it once it is idle. A pinned model stays."""
         if keep_alive_s is None:
             return
-        if keep_alive_s != 0:
-            entry.keep_alive_s = max(0.0, keep_alive_s)  # ours: 0 is never
-            self.registry.idle_changed()
-            return
-        entry.keep_alive_s = 1e-3  # idle a moment: expired
+        entry.touch()  # the idle timer starts again, as in Ollama
+        if keep_alive_s == 0 and entry.spec.pinned:
+            return  # pinned: only an unload unloads it
+        if keep_alive_s == "default":
+            configured = entry.spec.keep_alive_s
+            entry.keep_alive_s = self.config.keep_alive_s if configured is None else configured
+        elif keep_alive_s != 0:
+            entry.keep_alive_s = max(0.0, keep_alive_s)  # negative: never (ours is 0)
+        else:
+            entry.keep_alive_s = EXPIRED_S
         self.registry.idle_changed()
-        if entry.state == "ready" and entry.active_requests == 0:
+        if keep_alive_s == 0 and (entry.evictable or entry.state in NOT_SERVING):
             with contextlib.suppress(RequestError):
                 await self.registry.unload(entry.name, "keep_alive 0")
 

@@ -11,7 +11,7 @@ the same for all of them.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 from starlette.requests import Request
@@ -26,9 +26,11 @@ class CompletionCall(msgspec.Struct, kw_only=True):
     ``single_tool_call``: the answer ends at the model's first tool call
     (OpenAI's ``parallel_tool_calls`` false, Anthropic's
     ``disable_parallel_tool_use``). ``keep_alive_s`` (Ollama's
-    ``keep_alive``): None leaves the model's keep-alive as it is; otherwise,
-    from this request on, the model is unloaded after that long idle, at
-    once after this answer when 0, never when negative."""
+    ``keep_alive``, which each request sets anew): None leaves the model's
+    keep-alive as it is (the other APIs); otherwise the request restarts the
+    model's idle timer, and from then on the model is unloaded after that
+    long idle, at once after this answer when 0, never when negative, or as
+    its config says (``"default"``: a request that gives none)."""
 
     chat: bool
     model: str
@@ -40,7 +42,7 @@ class CompletionCall(msgspec.Struct, kw_only=True):
     stream: bool
     include_usage: bool = False
     single_tool_call: bool = False
-    keep_alive_s: float | None = None
+    keep_alive_s: float | Literal["default"] | None = None
 
 
 class Answer(Protocol):

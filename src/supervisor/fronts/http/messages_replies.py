@@ -132,15 +132,24 @@ def tool_input(call: ToolCall) -> dict[str, Any]:
     return parsed
 
 
-def usage(done: GenerationDone) -> dict[str, Any]:
-    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed,
-    those taken from the prefix cache are ``cache_read_input_tokens`` (our
-    cache fills itself: nothing is ever billed as written to it)."""
+def prompt_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Anthropic's input counts: ``input_tokens`` are the prompt tokens
+    computed, those taken from the prefix cache are
+    ``cache_read_input_tokens`` (our cache fills itself: nothing is ever
+    billed as written to it)."""
     return {
-        "input_tokens": max(0, done.prompt_tokens - done.cached_tokens),
-        "output_tokens": done.generation_tokens,
+        "input_tokens": max(0, prompt_tokens - cached_tokens),
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": done.cached_tokens,
+        "cache_read_input_tokens": cached_tokens,
+    }
+
+
+def usage(done: GenerationDone) -> dict[str, Any]:
+    """Anthropic's usage of a whole message: its input counts (see
+    :func:`prompt_usage`) and its output tokens, the thinking among them."""
+    return {
+        **prompt_usage(done.prompt_tokens, done.cached_tokens),
+        "output_tokens": done.generation_tokens,
         "output_tokens_details": {"thinking_tokens": done.reasoning_tokens},
     }
 
@@ -151,9 +160,10 @@ class MessagesAnswer:
     (``message_start``, then each block's ``content_block_start``, deltas and
     ``content_block_stop``, then ``message_delta`` and ``message_stop``).
 
-    The prompt's size is known only at the end, so ``message_start`` counts
-    0 input tokens and ``message_delta`` gives the usage whole (the SDKs
-    take its input counts over the start's).
+    ``message_start`` goes out with the first frame, which tells the
+    prompt's size: its usage gives the input counts (Claude Code reads the
+    context's fill from them) and 0 output tokens; ``message_delta`` gives
+    the usage whole.
 
     Args:
         call: the request.
@@ -171,6 +181,7 @@ class MessagesAnswer:
         self.tool_calls: list[ToolCall] = []
         self.open: Block | None = None  # the block that takes the next deltas of its kind
         self.started = False  # a stream's message_start is out
+        self.prompt: tuple[int, int] | None = None  # prompt tokens, those of them cached
 
     @property
     def tool_call_count(self) -> int:
@@ -180,6 +191,8 @@ class MessagesAnswer:
         calls = chunk.tool_calls or []
         if limit_calls is not None:
             calls = calls[: max(0, limit_calls - len(self.tool_calls))]
+        if chunk.prompt_tokens is not None and self.prompt is None:
+            self.prompt = (chunk.prompt_tokens, chunk.cached_tokens or 0)
         events: list[Event] = []
         if chunk.reasoning:
             events += self._extend("thinking", chunk.reasoning if self.show_thinking else "")
@@ -187,12 +200,13 @@ class MessagesAnswer:
             events += self._extend("text", chunk.text)
         for call in calls:
             events += self._tool_use(call)
-        if not self.stream or not events:
+        if not self.stream:
             return []
-        return self._framed([*self._opening(), *events])
+        return self._framed([*self._opening(), *events])  # the first frame opens the message
 
     def end(self, done: GenerationDone) -> list[bytes]:
         reason = self.stop_reason(done)
+        self.prompt = self.prompt or (done.prompt_tokens, done.cached_tokens)
         events = [*self._opening(), *self._close()]
         events.append(("message_delta", {
             "type": "message_delta",
@@ -228,8 +242,10 @@ class MessagesAnswer:
         if self.started:
             return []
         self.started = True
-        empty = {"input_tokens": 0, "output_tokens": 0}
-        message = self._message([]) | {"stop_reason": None, "stop_sequence": None, "usage": empty}
+        counts = prompt_usage(*self.prompt) if self.prompt else prompt_usage(0, 0)
+        start_usage = {**counts, "output_tokens": 0}
+        message = self._message([]) | {"stop_reason": None, "stop_sequence": None,
+                                       "usage": start_usage}  # fmt: skip
         return [("message_start", {"type": "message_start", "message": message})]
 
     def _close(self) -> list[Event]:

@@ -36,13 +36,16 @@ from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ENCODER, ApiError, internal_error
 from supervisor.fronts.http.ollama_chat import (
+    MAX_KEEP_ALIVE_S,
     ChatBody,
     GenerateBody,
+    KeepAlive,
     OllamaAnswer,
     OllamaCall,
     chat_call,
     generate_call,
     keep_alive_seconds,
+    model_name,
     rfc3339,
 )
 from supervisor.fronts.http.openai_requests import Strict, bad
@@ -155,7 +158,7 @@ class ModelOp(msgspec.Struct, frozen=True):
     ``/api/generate`` (its answer has a ``response``, not a ``message``)."""
 
     model: str
-    keep_alive_s: float | None
+    keep_alive_s: KeepAlive
     generate: bool
 
     @property
@@ -177,6 +180,7 @@ class OllamaChat:
         """Raises ApiError, ClientDisconnect."""
         received_at = time.perf_counter()
         body = await read_json(request, self._decoder, self.config)
+        body.model = model_name(body.model)
         check_model(body.model)
         if not body.messages:
             return ModelOp(body.model, keep_alive_seconds(body.keep_alive), self.generate)
@@ -200,6 +204,7 @@ class OllamaGenerate:
         """Raises ApiError, ClientDisconnect."""
         received_at = time.perf_counter()
         body = await read_json(request, self._decoder, self.config)
+        body.model = model_name(body.model)
         check_model(body.model)
         if not body.prompt:
             return ModelOp(body.model, keep_alive_seconds(body.keep_alive), self.generate)
@@ -369,7 +374,7 @@ class OllamaInfo:
 
     async def show(self, request: Request) -> Response:
         body = await read_json(request, self._show_decoder, self.config)
-        name = body.model or body.name
+        name = model_name(body.model or body.name)
         if not name:
             raise bad("model", "model is required")
         reference = self._reference(name)
@@ -394,7 +399,7 @@ class OllamaInfo:
         """Nothing to fetch: a model that may be served loads by reference on
         first use. A stream (the default) says so before its "success"."""
         body = await read_json(request, self._pull_decoder, self.config)
-        name = body.model or body.name
+        name = model_name(body.model or body.name)
         if not name:
             raise bad("model", "model is required")
         if self._reference(name) is None:
@@ -406,25 +411,42 @@ class OllamaInfo:
                         media_type=OLLAMA.media_type)  # fmt: skip
 
     async def model_op(self, op: ModelOp, request: Request) -> Response:
-        """Load ``op``'s model (and apply its keep_alive), or unload it (once
-        the requests using it are done, as keep-alive expiry takes it).
-        Raises RequestError (the load's), ApiError (404: no such model)."""
-        completions = self.completions
+        """Load ``op``'s model and apply its keep_alive (the idle timer starts
+        again), or unload it (:meth:`_unload`). Raises RequestError (the
+        load's), ApiError (404: no such model; 409: it is pinned)."""
+        note = None
         if op.unload:
-            entry = completions.registry.find(op.model)
-            if entry is None and self._reference(op.model) is None:
-                raise not_found(op.model)
-            if entry is not None:
-                await completions.keep_alive(entry, 0)
+            note = await self._unload(op.model)
         else:
-            entry = await completions.model_for(op.model, anyio.Event())
+            entry = await self.completions.model_for(op.model, anyio.Event())
             if entry is not None:
-                await completions.keep_alive(entry, op.keep_alive_s)
-        reason = "unload" if op.unload else "load"
+                await self.completions.keep_alive(entry, op.keep_alive_s)
         words = {"response": ""} if op.generate else {"message": {"role": "assistant",
                                                                   "content": ""}}  # fmt: skip
-        return json_response({"model": op.model, "created_at": rfc3339(time.time()), **words,
-                              "done": True, "done_reason": reason})  # fmt: skip
+        answer = {"model": op.model, "created_at": rfc3339(time.time()), **words, "done": True,
+                  "done_reason": "unload" if op.unload else "load"}  # fmt: skip
+        if note is not None:
+            answer["supervisor"] = {"note": note}
+        return json_response(answer)
+
+    async def _unload(self, name: str) -> str | None:
+        """Unload the model ``name`` now when nothing holds it; one in use (a
+        request in flight or in line, or still loading) unloads once it is
+        idle, as keep-alive expiry takes it, and the note returned says so.
+        One not loaded has nothing to unload. Raises ApiError: 404 (no such
+        model), 409 (pinned: keep_alive does not unload it)."""
+        entry = self.completions.registry.find(name)
+        if entry is None:
+            if self._reference(name) is None:
+                raise not_found(name)
+            return None
+        if entry.spec.pinned:
+            raise ApiError(409, f"{entry.name} is pinned: keep_alive 0 does not unload it "
+                           f"(mlx-supervisor unload {entry.name} does)",
+                           code="pinned", param="keep_alive")  # fmt: skip
+        in_use = not entry.evictable and entry.state != "stopping"
+        await self.completions.keep_alive(entry, 0)
+        return f"{entry.name} is in use: it unloads once its requests end" if in_use else None
 
 
 def details(reference: str, facts: ModelFacts) -> dict[str, Any]:
@@ -446,14 +468,16 @@ def details(reference: str, facts: ModelFacts) -> dict[str, Any]:
 def expires_at(runner: RunnerInfo) -> float:
     """When ``runner``'s model will be unloaded for want of use: keep-alive
     after its last use (from now while it is busy); never (``NEVER_S`` off)
-    when it is pinned or has no keep-alive."""
+    when it is pinned or has no keep-alive, or one longer than any the config
+    takes (:data:`MAX_KEEP_ALIVE_S`), or not a finite one."""
     now = time.time()
     if runner.state == "stopping":
         return now
-    if runner.pinned or runner.keep_alive_s <= 0:
+    keep_alive_s = runner.keep_alive_s
+    if runner.pinned or not 0 < keep_alive_s <= MAX_KEEP_ALIVE_S:
         return now + NEVER_S
     busy = runner.active_requests > 0 or runner.last_used_at is None
-    return (now if busy else runner.last_used_at or now) + runner.keep_alive_s
+    return (now if busy else runner.last_used_at or now) + keep_alive_s
 
 
 @functools.lru_cache(maxsize=64)

@@ -116,16 +116,20 @@ class Options(IgnoredOptions, kw_only=True):
 
 
 class ToolFunctionCall(Strict, kw_only=True):
-    index: int | None = None
+    index: int | None = None  # the call's place in its answer, as Ollama gives it: ignored
     name: str
     arguments: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class ToolCallTurn(Strict, kw_only=True):
-    """A tool call in an assistant turn of the history: Ollama's clients send
-    no ``id`` (then one is made up, :func:`chat_messages`)."""
+    """A tool call in an assistant turn of the history. Its ``id`` is the
+    call's, when a client sends one; Ollama's own clients send none (then one
+    is made up, :func:`chat_messages`). ``index``, the call's place in its
+    answer (Open WebUI sends it here, Ollama inside ``function``), is
+    accepted and ignored: the list's order is the calls' order."""
 
     id: str | None = None
+    index: int | None = None
     type: Literal["function"] | None = None
     function: ToolFunctionCall
 
@@ -145,7 +149,8 @@ class Turn(Strict, kw_only=True):
 
 
 class Body(Strict, kw_only=True):
-    """What ``/api/chat`` and ``/api/generate`` share."""
+    """What ``/api/chat`` and ``/api/generate`` share (``model`` less a final
+    ``:latest``: :func:`model_name`)."""
 
     model: str
     format: str | dict[str, Any] | None = None
@@ -181,25 +186,46 @@ class OllamaCall(CompletionCall, kw_only=True):
 
 # --- translation -----------------------------------------------------------------
 
+LATEST = ":latest"
+"""The tag the ollama CLI and some apps add to a model's name: the name without it."""
+
+MAX_KEEP_ALIVE_S = 365 * 86_400.0
+"""The longest keep-alive a model's config takes (``KeepAliveSeconds``): a
+request's longer one keeps the model loaded for ever, as a negative one does."""
+
+KeepAlive = float | Literal["default"]
+
+
+def model_name(name: str) -> str:
+    """The model a client's ``name`` stands for: itself, less a final
+    ``:latest`` (``builtin:tiny:latest`` is ``builtin:tiny``; the colon of
+    ``builtin:tiny`` stays)."""
+    return name.removesuffix(LATEST)
+
+
 DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
           "h": 3600.0}  # fmt: skip
 
 
-def keep_alive_seconds(value: float | str | None) -> float | None:
+def keep_alive_seconds(value: float | str | None) -> KeepAlive:
     """Ollama's ``keep_alive`` in seconds: a number of seconds, or a duration
     as Go writes one (``"5m"``, ``"1h30m"``, ``"10s"``, ``"0"``, ``"-1"``); any
-    negative one is -1 (kept loaded for ever). None when not given.
+    negative one, and any longer than :data:`MAX_KEEP_ALIVE_S`, is -1 (kept
+    loaded for ever). ``"default"`` when not given: Ollama sets every
+    request's keep-alive anew, and one that gives none brings back the
+    model's own (a past request's does not last).
 
     Raises:
-        ApiError: text that is no duration.
+        ApiError: text that is no duration, a number that is not finite.
     """
     if value is None:
-        return None
-    seconds = value if isinstance(value, float | int) else duration_seconds(value)
-    if math.isnan(seconds):
-        raise bad("keep_alive", "keep_alive is a number of seconds or a duration")
-    return -1.0 if seconds < 0 else float(seconds)
+        return "default"
+    seconds = float(value) if isinstance(value, float | int) else duration_seconds(value)
+    if not math.isfinite(seconds):
+        raise bad("keep_alive", f"keep_alive {value!r} is not a finite number of seconds "
+                  "or duration (a negative one keeps the model loaded)")  # fmt: skip
+    return -1.0 if seconds < 0 or seconds > MAX_KEEP_ALIVE_S else seconds
 
 
 def duration_seconds(text: str) -> float:
@@ -316,14 +342,12 @@ def tool_call(turn: ToolCallTurn, made_up_id: str) -> ToolCall:
 def answered_call(
     unanswered: list[ToolCall], call_id: str | None, name: str | None
 ) -> ToolCall | None:
-    """The call a tool turn answers: the one it names by id, else the first
-    unanswered call of its tool (``tool_name``), else the first unanswered."""
-    for call in unanswered:
-        if call_id is not None and call.id == call_id:
-            return call
-        if call_id is None and name in (None, call.name):
-            return call
-    return None
+    """The call a tool turn answers, of those not answered yet: the one its
+    ``tool_call_id`` names, else the first of its tool (``tool_name``), else
+    the first; None when there is none left to answer."""
+    by_id = [call for call in unanswered if call_id is not None and call.id == call_id]
+    by_name = [call for call in unanswered if name is not None and call.name == name]
+    return next(iter([*by_id, *by_name, *unanswered]), None)
 
 
 def chat_messages(turns: list[Turn]) -> list[ChatMessage]:
@@ -331,7 +355,8 @@ def chat_messages(turns: list[Turn]) -> list[ChatMessage]:
     assistant turn's calls get ids made from their place in the chat (the
     same chat, the same ids, so that the prefix cache still matches), and
     each ``tool`` turn answers the earlier call it names, else the first
-    one not answered yet, in order. Raises ApiError."""
+    one not answered yet, in order (one with nothing left to answer has no
+    id). Raises ApiError."""
     messages = []
     unanswered: list[ToolCall] = []
     for i, turn in enumerate(turns):
@@ -348,16 +373,16 @@ def chat_messages(turns: list[Turn]) -> list[ChatMessage]:
                 raise bad(f"{where}.tool_calls", "only an assistant turn has tool_calls")
             calls = [tool_call(call, f"call_{i}_{j}") for j, call in enumerate(turn.tool_calls)]
             unanswered += calls
-        call_id, name = turn.tool_call_id, turn.tool_name
-        if role == "tool" and (answered := answered_call(unanswered, call_id, name)):
-            unanswered.remove(answered)
-            call_id, name = answered.id, name or answered.name
-        tool = role == "tool"
-        messages.append(ChatMessage(
-            role, turn.content or "", tool_calls=calls,
-            tool_call_id=call_id if tool else None, name=name if tool else None,
-            reasoning=turn.thinking,
-        ))  # fmt: skip
+        call_id, name = None, None
+        if role == "tool":
+            answered = answered_call(unanswered, turn.tool_call_id, turn.tool_name)
+            if answered is not None:
+                unanswered.remove(answered)
+            call_id = answered.id if answered else None
+            name = turn.tool_name or (answered.name if answered else None)
+        messages.append(ChatMessage(role, turn.content or "", tool_calls=calls,
+                                    tool_call_id=call_id, name=name,
+                                    reasoning=turn.thinking))  # fmt: skip
     return messages
 
 

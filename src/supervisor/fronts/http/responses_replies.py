@@ -1,8 +1,8 @@
 """The Responses API's reply objects: the whole Response, or its stream of
 named, numbered events (:class:`ResponsesAnswer`); and its framing, whose
-stream error is an ``error`` event numbered after the events before it
-(:class:`ResponsesFraming`). The request bodies live in
-:mod:`supervisor.fronts.http.responses_api`.
+stream error is an ``error`` event numbered after the events before it,
+then ``response.failed`` (:class:`ResponsesFraming`). The request bodies
+live in :mod:`supervisor.fronts.http.responses_api`.
 
 A response's output is a list of items in the order the model wrote them:
 its reasoning (a ``reasoning`` item, the text in ``content``: we keep nothing
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from ipc.messages import GenerationDone, TextChunk, TokenLogprob, ToolCall
@@ -36,7 +37,8 @@ class ResponseEvents:
     each with the next ``sequence_number`` (none are made when the request
     does not stream). Made when the request is parsed, so that an error
     before the model's first word still ends a stream that opened with
-    ``response.created``.
+    ``response.created``; ``written`` gives the output items so far (the
+    answer sets it), for the ``response.failed`` of an error after them.
 
     Args:
         model: the model asked for (the answer names the one that served it).
@@ -52,6 +54,7 @@ class ResponseEvents:
         self.stream = stream
         self.sequence = 0
         self.opened = False
+        self.written: Callable[[], list[dict[str, Any]]] = list
 
     def response(self, status: str, output: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         """The Response object, as it stands at ``status``."""
@@ -91,11 +94,16 @@ class ResponseEvents:
                 *self.event("response.in_progress", response=shown)]  # fmt: skip
 
     def failure(self, error: ApiError) -> bytes:
-        """``error`` as the stream's last event (after the opening, if the
-        stream has had none)."""
+        """``error`` as the stream's ``error`` event (after the opening, if
+        the stream has had none), then its end, ``response.failed``, with
+        the output written so far: the Responses clients that wait for a
+        response's end (Codex) take a stream without one as dropped."""
         self.stream = True  # only a stream has error events
         fields = {"code": error.code, "message": error.message, "param": error.param}
-        return b"".join([*self.opening(), *self.event("error", **fields)])
+        failed = self.response("failed", self.written(),
+                               error={"code": error.code, "message": error.message})  # fmt: skip
+        return b"".join([*self.opening(), *self.event("error", **fields),
+                         *self.event("response.failed", response=failed)])  # fmt: skip
 
 
 class ResponsesCall(CompletionCall, kw_only=True):
@@ -172,6 +180,7 @@ class ResponsesAnswer:
         events = call.events if isinstance(call, ResponsesCall) else None
         self.events = events or ResponseEvents(model, {}, call.stream)
         self.events.model = model
+        self.events.written = self.written
         self.logprobs = call.sampling.logprobs
         self.items: list[OutputItem] = []
         self.open: OutputItem | None = None  # reasoning or a message, still growing
@@ -256,6 +265,11 @@ class ResponsesAnswer:
             *self.events.event("response.output_item.done", output_index=item.index,
                                item=item.shape(status)),
         ]  # fmt: skip
+
+    def written(self) -> list[dict[str, Any]]:
+        """The output items so far, the one the model was writing
+        ``incomplete``."""
+        return [item.shape(item.status or "incomplete") for item in self.items]
 
     def _new(self, kind: ItemKind, call: ToolCall | None = None) -> OutputItem:
         item = OutputItem(kind, len(self.items), call)
