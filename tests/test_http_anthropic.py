@@ -10,6 +10,7 @@ where the count of a prompt's tokens must be the prompt of a real answer."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -415,6 +416,43 @@ async def test_a_thinking_budget_reaches_the_sampler_and_the_chat_template() -> 
 
 
 @pytest.mark.anyio
+async def test_a_claude_code_request_is_taken_and_says_no_context_edit_was_applied() -> None:
+    """What Claude Code sends with every request: a user id, cache marks on
+    the system prompt and tools, context editing, an effort. The effort and
+    an output schema are honoured; context editing is not applied, and the
+    message says so (``applied_edits`` empty), whole and streamed."""
+    registry = ScriptedRegistry([TextChunk(1, '{"city": "Paris"}', 1), done()])
+    api = api_of(registry)
+    edits = {"edits": [{"type": "clear_tool_uses_20250919",
+                        "trigger": {"type": "input_tokens", "value": 100000}}]}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "tiny", "max_tokens": 64, "messages": HELLO,
+        "metadata": {"user_id": "user_abc"},
+        "system": [{"type": "text", "text": "You are Claude Code.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}],
+        "extra_body": {
+            "context_management": edits,
+            "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}},
+        },
+    }  # fmt: skip
+    message = await api.messages.create(**body)
+    assert (message.model_extra or {})["context_management"] == {"applied_edits": []}
+    request = registry.requests[-1]
+    assert request.chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    form = request.chat.response_format
+    assert form is not None and form.type == "json_schema"
+    assert form.schema == {"type": "object", "properties": {"city": {"type": "string"}}}
+    async with api.messages.stream(**body) as stream:
+        async for event in stream:
+            if event.type == "message_delta":
+                assert (event.model_extra or {})["context_management"] == {"applied_edits": []}
+        final = await stream.get_final_message()
+    assert final.content[0].type == "text" and json.loads(final.content[0].text)["city"] == "Paris"
+
+
+@pytest.mark.anyio
 async def test_count_tokens_counts_the_prompt_with_the_models_template() -> None:
     registry = ScriptedRegistry(token_count=123)
     api = api_of(registry)
@@ -468,7 +506,14 @@ async def test_what_we_cannot_honour_is_a_400_naming_it() -> None:
     result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
     refused: list[tuple[dict[str, Any], str]] = [
         ({"extra_body": {"bogus": 1}}, "unsupported parameter: bogus"),
-        ({"extra_body": {"output_config": {}}}, "unsupported parameter: output_config"),
+        (
+            {"extra_body": {"output_config": {"task_budget": 1}}},
+            "unsupported parameter: output_config.task_budget",
+        ),
+        (
+            {"extra_body": {"context_management": {"edits": [], "x": 1}}},
+            "unsupported parameter: context_management.x",
+        ),
         (said(image), "image content blocks are not supported (messages[0].content[0])"),
         (said(plain, document), "document content blocks are not supported"),
         (said({"type": "search_result"}), "unsupported content block type 'search_result'"),

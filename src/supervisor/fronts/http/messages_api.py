@@ -37,6 +37,7 @@ from ipc.messages import (
     ChatMessage,
     ChatOptions,
     NamedTool,
+    ResponseFormat,
     SamplingParams,
     ToolCall,
     ToolChoiceMode,
@@ -46,7 +47,7 @@ from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ENCODER
 from supervisor.fronts.http.messages_replies import ANTHROPIC, MessagesAnswer
-from supervisor.fronts.http.openai_requests import MaxTokens, Strict, Unit, bad
+from supervisor.fronts.http.openai_requests import MaxTokens, Strict, Unit, bad, reasoning_kwargs
 from supervisor.fronts.http.requests import ApiKey, guarded, read_json
 from supervisor.fronts.http.routes import InfoRoutes
 from supervisor.fronts.http.streaming import Framing
@@ -139,6 +140,30 @@ class Thinking(Strict, kw_only=True):
     display: Literal["summarized", "omitted"] | None = None
 
 
+class OutputFormat(Strict, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Strict, kw_only=True):
+    """``effort``: how hard the model should think (to the chat template as
+    ``reasoning_effort``, as the OpenAI front's ``reasoning_effort``);
+    ``format``: a JSON schema the answer follows (constrained decoding)."""
+
+    effort: Literal["low", "medium", "high", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class ContextManagement(Strict, kw_only=True):
+    """Anthropic's context editing (clearing old tool results or thinking
+    once a prompt grows past a trigger). Not applied here: the prompt goes
+    to the model whole, and the answer's ``context_management`` says that
+    no edit was applied. Taken because Claude Code sends it with every
+    request."""
+
+    edits: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
 class Prompt(Strict, kw_only=True):
     """What makes the prompt: ``count_tokens``' whole body."""
 
@@ -148,6 +173,8 @@ class Prompt(Strict, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     cache_control: Any = None
 
 
@@ -166,9 +193,12 @@ class MessagesRequest(Prompt, kw_only=True):
 
 class MessagesCall(CompletionCall, kw_only=True):
     """A Messages request on the request path; ``show_thinking`` false:
-    the answer's thinking blocks are empty (``thinking.display`` "omitted")."""
+    the answer's thinking blocks are empty (``thinking.display`` "omitted");
+    ``context_management``: the request asked for context editing, and its
+    answer says that none was applied."""
 
     show_thinking: bool = True
+    context_management: bool = False  # asked for: the answer says no edit was applied
 
 
 # --- translation -----------------------------------------------------------------
@@ -327,10 +357,16 @@ def chat_options(body: Prompt) -> ChatOptions:
             raise bad("tool_choice", 'tool_choice "any" needs tools')
         modes: dict[str, ToolChoiceMode] = {"auto": "auto", "any": "required", "none": "none"}
         mode = NamedTool(choice.name) if choice.name is not None else modes[choice.type]
-    kwargs = None
+    kwargs = {}
     if body.thinking is not None:
-        kwargs = {"enable_thinking": body.thinking.type != "disabled"}
-    return ChatOptions(tools=tools or None, tool_choice=mode, chat_template_kwargs=kwargs)
+        kwargs["enable_thinking"] = body.thinking.type != "disabled"
+    output = body.output_config or OutputConfig()
+    kwargs = reasoning_kwargs(output.effort, kwargs)
+    form = None
+    if output.format is not None:
+        form = ResponseFormat("json_schema", output.format.schema, "output")
+    return ChatOptions(tools=tools or None, tool_choice=mode, response_format=form,
+                       chat_template_kwargs=kwargs or None)  # fmt: skip
 
 
 def reasoning_budget(thinking: Thinking | None) -> int | None:
@@ -371,6 +407,7 @@ def messages_call(body: MessagesRequest) -> MessagesCall:
         chat=True, model=body.model, messages=chat_messages(body), prompt=None,
         max_tokens=body.max_tokens, sampling=sampling, options=options,
         stream=bool(body.stream), single_tool_call=single, show_thinking=shown,
+        context_management=body.context_management is not None,
     )  # fmt: skip
 
 
@@ -391,8 +428,9 @@ class Messages:
         return messages_call(body)
 
     def answer(self, call: CompletionCall, model: str) -> MessagesAnswer:
-        shown = call.show_thinking if isinstance(call, MessagesCall) else True
-        return MessagesAnswer(call, model, show_thinking=shown)
+        assert isinstance(call, MessagesCall)
+        return MessagesAnswer(call, model, show_thinking=call.show_thinking,
+                              context_management=call.context_management)  # fmt: skip
 
 
 class TokenCounter:

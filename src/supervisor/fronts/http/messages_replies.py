@@ -170,12 +170,23 @@ class MessagesAnswer:
         model: the model's name, as the message gives it.
         show_thinking: thinking blocks carry the model's thinking (else they
             are empty: ``thinking.display`` "omitted").
+        context_management: the request asked for context editing; the
+            message (a stream's ``message_delta``) says no edit was applied.
     """
 
-    def __init__(self, call: CompletionCall, model: str, show_thinking: bool = True) -> None:
+    def __init__(
+        self,
+        call: CompletionCall,
+        model: str,
+        show_thinking: bool = True,
+        context_management: bool = False,
+    ) -> None:
         self.stream = call.stream
         self.model = model
         self.show_thinking = show_thinking
+        # Asked for context editing: the message says none was applied.
+        self.edits: dict[str, Any] = {"context_management": {"applied_edits": []}} if (
+            context_management) else {}  # fmt: skip
         self.id = "msg_" + secrets.token_hex(12)
         self.blocks: list[Block] = []
         self.tool_calls: list[ToolCall] = []
@@ -211,7 +222,7 @@ class MessagesAnswer:
         events.append(("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": stop_sequence(reason, done)},
-            "usage": usage(done),
+            "usage": usage(done), **self.edits,
         }))  # fmt: skip
         events.append(("message_stop", {"type": "message_stop"}))
         return self._framed(events)
@@ -220,7 +231,7 @@ class MessagesAnswer:
         reason = self.stop_reason(done)
         message = self._message([block.whole() for block in self.blocks])
         message |= {"stop_reason": reason, "stop_sequence": stop_sequence(reason, done),
-                    "usage": usage(done)}  # fmt: skip
+                    "usage": usage(done), **self.edits}  # fmt: skip
         return ENCODER.encode(message)
 
     def stop_reason(self, done: GenerationDone) -> str:
