@@ -8,13 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from ipc.messages import LoadRequest
 from supervisor.config import (
     HTTP_ENV,
     ConfigError,
+    ModelConfig,
     SupervisorConfig,
     load_config,
+    spec_problem,
     with_http_override,
 )
+from supervisor.registry.entries import RequestError
+from supervisor.registry.specs import engine_settings, merge_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -32,7 +37,8 @@ def test_shipped_config_names_every_key() -> None:
 def test_shipped_config_commented_model_table_is_valid(tmp_path: Path) -> None:
     text = (CONFIGS / "mlx-supervisor.toml").read_text()
     uncommented = text.replace("# [[models]]", "[[models]]")
-    for key in ("name", "model", "max_tokens", "preload", "restart", "env"):
+    for key in ("name", "model", "max_tokens", "preload", "restart", "env", "kv_bits",
+                "kv_group_size"):  # fmt: skip
         uncommented = uncommented.replace(f"# {key} ", f"{key} ")
     path = tmp_path / "c.toml"
     path.write_text(uncommented)
@@ -40,6 +46,7 @@ def test_shipped_config_commented_model_table_is_valid(tmp_path: Path) -> None:
     assert model.name == "qwen" and model.max_tokens == 4096
     assert model.env == {"MLX_METAL_FAST_SYNCH": "1"}
     assert model.restart == "on-failure"
+    assert (model.kv_bits, model.kv_group_size) == (8, 64)
 
 
 def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
@@ -188,3 +195,65 @@ def test_http_allowed_hosts_takes_names_and_addresses_without_ports(tmp_path: Pa
         path.write_text(f'http_allowed_hosts = ["{bad}"]\n')
         with pytest.raises(ConfigError, match=r"http_allowed_hosts"):
             load_config(path)
+
+
+def model_table(path: Path, extra: str) -> Path:
+    path.write_text(f'[[models]]\nname = "q"\nmodel = "builtin:tiny"\n{extra}\n')
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [("", (None, 64)), ("kv_bits = 8", (8, 64)), ("kv_bits = 4\nkv_group_size = 32", (4, 32)),
+     ("kv_bits = 8\nkv_group_size = 128", (8, 128))],
+)  # fmt: skip
+def test_kv_bits_and_group_size_are_per_model_settings(
+    tmp_path: Path, extra: str, expected: tuple[int | None, int]
+) -> None:
+    (model,) = load_config(model_table(tmp_path / "c.toml", extra)).models
+    assert (model.kv_bits, model.kv_group_size) == expected
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["kv_bits = 2", "kv_bits = 16", 'kv_bits = "8"', "kv_bits = 8.0", "kv_group_size = 16",
+     "kv_group_size = 256", "kv_group_size = 48"],
+)  # fmt: skip
+def test_kv_bits_and_group_size_outside_what_mlx_quantizes_are_errors_naming_the_key(
+    tmp_path: Path, extra: str
+) -> None:
+    key = extra.split(" ")[0]
+    with pytest.raises(ConfigError, match=rf"\$\.models\[0\]\.{key}"):
+        load_config(model_table(tmp_path / "c.toml", extra))
+
+
+def test_kv_bits_is_refused_in_a_distributed_group_for_now(tmp_path: Path) -> None:
+    for group in ("ranks = 2", 'hostfile = "/etc/mlx/hosts.json"'):
+        path = model_table(tmp_path / "c.toml", f"kv_bits = 8\n{group}")
+        with pytest.raises(ConfigError, match="kv_bits with a distributed group"):
+            load_config(path)
+    alone = ModelConfig(name="q", model="builtin:tiny", kv_bits=8, ranks=1)
+    assert spec_problem(alone) is None
+    grouped = ModelConfig(name="q", model="builtin:tiny", kv_bits=8, ranks=2)
+    assert spec_problem(grouped, places=False) == (
+        "kv_bits with a distributed group (ranks, hostfile): not yet"
+    )
+    assert spec_problem(ModelConfig(name="q", model="builtin:tiny", ranks=2)) is None
+
+
+def test_a_load_request_s_kv_settings_win_over_the_config_s_and_reach_the_engine(
+    tmp_path: Path,
+) -> None:
+    config = load_config(model_table(tmp_path / "c.toml", "kv_bits = 4\nkv_group_size = 32"))
+    configured = merge_spec(config, LoadRequest(model="builtin:tiny", name="q"))
+    assert (configured.kv_bits, configured.kv_group_size) == (4, 32)
+    engine = engine_settings(config, configured)
+    assert (engine.kv_bits, engine.kv_group_size) == (4, 32)
+    asked = merge_spec(config, LoadRequest(model="builtin:tiny", name="q", kv_bits=8))
+    assert (asked.kv_bits, asked.kv_group_size) == (8, 32)  # the group size stays configured
+    unquantized = merge_spec(config, LoadRequest(model="builtin:tiny", name="other"))
+    assert engine_settings(config, unquantized).kv_bits is None
+    for bad in ({"kv_bits": 3}, {"kv_group_size": 100}):
+        with pytest.raises(RequestError, match="kv_") as excinfo:
+            merge_spec(config, LoadRequest(model="builtin:tiny", **bad))
+        assert excinfo.value.code == "bad_request"

@@ -16,6 +16,7 @@ import pytest
 
 from modelfiles.gguf import default_weight_dtype
 from runner.builtin import ensure_builtin_model
+from supervisor.cli.render import estimate_json, render_estimate
 from supervisor.memory.baseline import RuntimeBaseline
 from supervisor.memory.estimate import (
     DEFAULT_CONTEXT_TOKENS,
@@ -23,11 +24,10 @@ from supervisor.memory.estimate import (
     RUNTIME_DEFAULT_BYTES,
     Estimate,
     default_context_tokens,
-    estimate_json,
+    describe_estimate,
     estimate_model_dir,
     estimate_reference,
     local_model_path,
-    render_estimate,
     with_runtime,
 )
 from supervisor.memory.ranks import group_estimate
@@ -716,9 +716,10 @@ def test_repo_in_the_local_hub_cache_is_estimated_from_its_snapshot(tmp_path: Pa
     env = os.environ | {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     script = (
         "import json, sys\n"
-        "from supervisor.memory.estimate import estimate_json, estimate_reference\n"
+        "import msgspec\n"
+        "from supervisor.memory.estimate import estimate_reference\n"
         "estimate = estimate_reference('mlx-community/Qwen3-4B-4bit', 128)\n"
-        "print(json.dumps(None if estimate is None else estimate_json(estimate)))\n"
+        "print(json.dumps(msgspec.to_builtins(estimate)))\n"
         "print(sorted(m for m in ('mlx', 'mlx_lm', 'numpy') if m in sys.modules))\n"
     )
 
@@ -759,6 +760,8 @@ def test_estimate_json_has_exactly_the_documented_keys(tmp_path: Path) -> None:
         "runtime_bytes",
         "overhead_source",
         "headroom_bytes",
+        "kv_bits",
+        "kv_group_size",
         "planned_bytes",
     }
     assert document["planned_bytes"] == document["total_bytes"] + document["headroom_bytes"]
@@ -799,3 +802,108 @@ def test_render_estimate_prints_a_line_per_part_and_the_source() -> None:
     assert "/models/qwen" in text
     text_only = msgspec.structs.replace(estimate, vision=False, vision_bytes=0)
     assert "vision encoder" not in render_estimate(text_only, "qwen")
+
+
+# --------------------------------------------------------------------------------------------
+# A quantized KV cache (kv_bits, kv_group_size)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bits", "group", "share"),
+    # mlx-lm's QuantizedKVCache per element: bits/8, plus a scale and a bias in the model's
+    # dtype per group (a bf16 KVCache of 131072 B became 69632 B at 8-bit/64: 0.53125).
+    [("bfloat16", 8, 64, 0.53125), ("bfloat16", 4, 64, 0.28125), ("bfloat16", 8, 32, 0.5625),
+     ("bfloat16", 4, 32, 0.3125), ("float32", 8, 64, 0.28125), ("float32", 4, 32, 0.1875)],
+)  # fmt: skip
+def test_a_quantized_kv_cache_is_packed_bits_plus_a_scale_and_bias_per_group(
+    tmp_path: Path, dtype: str, bits: int, group: int, share: float
+) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG | {"torch_dtype": dtype}, [])
+
+    full = estimate_model_dir(model, context_tokens=128)
+    quantized = estimate_model_dir(model, context_tokens=128, kv_bits=bits, kv_group_size=group)
+
+    assert quantized.kv_cache_bytes == full.kv_cache_bytes * share
+    assert (quantized.kv_bits, quantized.kv_group_size) == (bits, group)
+    assert (full.kv_bits, full.kv_group_size) == (None, None)
+
+
+def test_a_quantized_kv_cache_shrinks_the_total_by_the_kv_saved_less_one_dequantized_layer(
+    tmp_path: Path,
+) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG, qwen3_4b_tensors())
+
+    full = estimate_model_dir(model, context_tokens=4096)
+    quantized = estimate_model_dir(model, context_tokens=4096, kv_bits=8)
+
+    saved = full.kv_cache_bytes - quantized.kv_cache_bytes
+    assert saved == 2 * 4096 * 36 * 8 * (256 - 136)  # 128 bf16 values: 256 B; 8-bit/64: 136 B
+    # A prefill step's fused attention reads one layer's K and V dequantized.
+    dequantized_layer = 2 * 4096 * 8 * 128 * 2
+    assert quantized.activation_bytes == full.activation_bytes + dequantized_layer
+    assert quantized.total_bytes == full.total_bytes - saved + dequantized_layer
+    assert quantized.weights_bytes == full.weights_bytes
+
+
+def test_kv_bits_reaches_builtin_and_gguf_estimates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = estimate_reference("builtin:tiny", 256)
+    quantized = estimate_reference("builtin:tiny", 256, kv_bits=8, kv_group_size=32)
+    assert recipe is not None and quantized is not None
+    assert quantized.kv_bits == 8 and quantized.kv_cache_bytes < recipe.kv_cache_bytes
+    gguf = tmp_path / "model-q4.gguf"
+    gguf.write_bytes(gguf_header_bytes(LLAMA_GGUF_METADATA, llama_gguf_tensors()))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # not converted
+    element = {"float32": 4, "float16": 2}[default_weight_dtype()]
+    from_header = estimate_model_dir(gguf, context_tokens=128, kv_bits=4, kv_group_size=32)
+    # head_dim 16 with groups of 32: 16 x 4 bits, and one group's scale and bias
+    assert from_header.kv_cache_bytes == 2 * 128 * 2 * 2 * (16 * 4 // 8 + 2 * element)
+    assert (from_header.kv_bits, from_header.kv_group_size) == (4, 32)
+
+
+def test_the_estimate_names_the_kv_cache_s_bits_in_its_table_line_and_json(
+    tmp_path: Path,
+) -> None:
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG, qwen3_4b_tensors())
+    quantized = estimate_model_dir(model, context_tokens=128, kv_bits=4, kv_group_size=32)
+    full = estimate_model_dir(model, context_tokens=128)
+
+    assert re.search(r"KV cache \(128 tokens, 4-bit, groups of 32\)\s+5\.6 MiB",
+                     render_estimate(quantized, "qwen"))  # fmt: skip
+    assert "KV cache 5.6 MiB (128 tokens, 4-bit, groups of 32)" in describe_estimate(quantized)
+    assert "KV cache (128 tokens) " in render_estimate(full, "qwen")
+    assert "(128 tokens)" in describe_estimate(full)
+    for estimate, expected in ((quantized, (4, 32)), (full, (None, None))):
+        document = estimate_json(estimate)
+        assert (document["kv_bits"], document["kv_group_size"]) == expected
+
+
+def test_the_estimate_command_takes_kv_bits_and_group_size() -> None:
+    command = [sys.executable, "-m", "supervisor", "estimate", "builtin:tiny", "--context", "256"]
+    quantized = subprocess.run([*command, "--kv-bits", "8", "--kv-group-size", "32", "--json"],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert quantized.returncode == 0, quantized.stderr
+    document = json.loads(quantized.stdout)
+    assert (document["kv_bits"], document["kv_group_size"]) == (8, 32)
+    refused = subprocess.run([*command, "--kv-bits", "6"], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "--kv-bits" in refused.stderr
+
+
+def test_a_quantized_kv_cache_of_a_sliding_window_model_counts_its_unquantized_window(
+    tmp_path: Path,
+) -> None:
+    """The runner leaves sliding-window layers in the model's dtype (mlx-lm
+    cannot quantize a rotating cache): each layer counts as the larger of its
+    quantized context and its unquantized window, an upper bound still."""
+    window = 1024
+    model = write_model(tmp_path / "m", QWEN3_4B_CONFIG | {"sliding_window": window}, [])
+    vectors = 2 * 36 * 8  # K and V, layers, KV heads
+    for context, bits, expected in (
+        (8192, 8, vectors * 8192 * 136),  # quantized context: more than the window's bf16
+        (1024, 4, vectors * 1024 * 256),  # the window, unquantized: more than 4-bit context
+    ):
+        estimate = estimate_model_dir(model, context_tokens=context, kv_bits=bits)
+        assert estimate.kv_cache_bytes == expected, (context, bits)

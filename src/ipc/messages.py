@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -269,6 +269,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     batching_reason: str | None = None
     prefix_cache: PrefixCacheStats | None = None  # None: switched off for this model
     next_turn: NextTurnStats | None = None  # None: next-turn prefill switched off
+    kv_bits: int | None = None  # the KV cache's quantization (None: the model's dtype)
+    kv_group_size: int | None = None
 
 
 # --- client -> supervisor ----------------------------------------------------
@@ -293,6 +295,8 @@ class LoadRequest(msgspec.Struct, tag="load"):
     prefix_cache: bool | None = None  # keep a KV prefix cache
     ranks: int | None = None  # processes the model is sharded over (mx.distributed)
     hostfile: str | None = None  # or an mlx.launch hostfile: one rank per host
+    kv_bits: int | None = None  # quantize the KV cache: 4 or 8 bits
+    kv_group_size: int | None = None  # its values per scale and bias: 32, 64 or 128
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -450,6 +454,8 @@ class RunnerInfo(msgspec.Struct):
     batching_reason: str | None = None  # why not, when batching is False
     prefix_cache: PrefixCacheStats | None = None
     next_turn: NextTurnStats | None = None  # chat turns prefilled ahead
+    kv_bits: int | None = None  # the KV cache's quantization (None: the model's dtype)
+    kv_group_size: int | None = None
     ranks: list[RankInfo] = []  # a distributed group: one per rank, rank 0 first
 
 
@@ -595,7 +601,9 @@ class EngineSettings(msgspec.Struct, frozen=True):
     0 never waits. ``next_turn_prefill``: after a chat answer, while
     idle, prefill the next turn's start into the prefix cache.
     ``prefill_chunk_s``: a prefill step computes as many prompt tokens as
-    take about this long at the rate measured on the model.
+    take about this long at the rate measured on the model. ``kv_bits``:
+    the KV cache is quantized to this many bits (4 or 8; None: the model's
+    dtype), in groups of ``kv_group_size`` values with a scale and a bias.
     """
 
     max_concurrent: int = 8
@@ -606,6 +614,8 @@ class EngineSettings(msgspec.Struct, frozen=True):
     batch_wait_share: float = 0.02
     next_turn_prefill: bool = True
     prefill_chunk_s: float = 1.0
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 class Distributed(msgspec.Struct, frozen=True):

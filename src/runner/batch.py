@@ -42,6 +42,7 @@ class BatchPath:
 
     # The engine's state these steps use (set by Engine.__init__).
     model: Any
+    new_cache: Callable[[], PromptCache]  # a fresh cache (quantized with kv_bits)
     max_concurrent: int
     batch: Any  # a BatchGenerator while requests run in a batch
     in_batch: dict[int, Job]  # by uid
@@ -85,7 +86,8 @@ class BatchPath:
         (uid,) = batch.insert(
             [job.prompt[job.cached_tokens :]],
             max_tokens=[job.max_tokens],
-            caches=[cache] if cache is not None else None,
+            # Always a cache: BatchGenerator's own would be 16-bit in a quantized batch.
+            caches=[cache if cache is not None else self.new_cache()],
             all_tokens=[job.prompt[: job.cached_tokens]],
             samplers=[job.sampler],
             logits_processors=[job.processors],
@@ -122,7 +124,7 @@ class BatchPath:
             (uid,) = batch.insert(
                 [solo.rest[solo.prefilled :]],
                 max_tokens=[job.max_tokens],
-                caches=[solo.cache] if done else None,
+                caches=[solo.cache if done else self.new_cache()],
                 all_tokens=[job.prompt[:done]],
                 samplers=[job.sampler],
                 logits_processors=[job.processors],

@@ -26,7 +26,9 @@ text on to the stop strings.
 
 Every request looks up the prefix cache before it starts and, when it ends
 (done or cancelled, after at least one token), stores the cache of its whole
-sequence. One request's failure ends that request only.
+sequence. One request's failure ends that request only. With ``kv_bits`` every
+cache, alone, in a batch and in the prefix cache, is quantized
+(:mod:`runner.kv_quant`).
 
 After a chat answer, while no request waits or runs, the engine prefills the
 start of that chat's next request: the conversation with the
@@ -44,6 +46,7 @@ only reads :attr:`Engine.stats_snapshot` (for Pongs) and flags cancels.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -51,7 +54,6 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
-from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.messages import (
     EngineReport,
@@ -70,6 +72,7 @@ from runner.distributed import Group
 from runner.faults import Faults
 from runner.guard import MemoryGuard
 from runner.job import Job
+from runner.kv_quant import make_cache
 from runner.next_turn import NextTurnPrefill
 from runner.output import OutputSplitter, reasoning_budget_processor
 from runner.prefill_pacing import PrefillPacer
@@ -126,9 +129,9 @@ def build_prompt_tokens(tokenizer: Any, request: Generate) -> list[int]:
     return list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
 
 
-def batchability(model: Any) -> tuple[bool, str | None]:
-    """Whether requests to ``model`` can share a batch, and if not why."""
-    cache = make_prompt_cache(model)
+def batchability(cache: PromptCache) -> tuple[bool, str | None]:
+    """Whether requests whose caches are like ``cache`` (a fresh one) can
+    share a batch, and if not why."""
     unmergeable = sorted({type(c).__name__ for c in cache if not hasattr(c, "merge")})
     if unmergeable:
         return False, f"its caches ({', '.join(unmergeable)}) cannot be merged into a batch"
@@ -140,7 +143,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
 
     Args:
         model, tokenizer: what mlx-lm loaded.
-        settings: concurrency and prefix-cache settings from the LoadModel.
+        settings: concurrency, prefix-cache and KV-quantization settings from
+            the LoadModel.
         guard: the runner's memory guard (its budget sizes the prefix cache).
         faults: fault injection.
         send: writes one frame to the supervisor.
@@ -178,7 +182,11 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         self.on_finished = on_finished
         self.max_tokens_cap = max_tokens_cap
         self.stream_interval_s = settings.stream_interval_s
-        self.batching, self.batching_reason = batchability(model)
+        self.kv_bits, self.kv_group_size = settings.kv_bits, settings.kv_group_size
+        # Every cache a request starts from (quantized with kv_bits, see runner.kv_quant).
+        self.new_cache: Callable[[], PromptCache] = functools.partial(
+            make_cache, model, settings.kv_bits, settings.kv_group_size)  # fmt: skip
+        self.batching, self.batching_reason = batchability(self.new_cache())
         if settings.max_concurrent <= 1 and self.batching:
             self.batching, self.batching_reason = False, "max_concurrent is 1"
         if group is not None:
@@ -212,7 +220,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         if settings.next_turn_prefill and self.prefix_cache is not None:
             self.next_turn = NextTurnPrefill(model, tokenizer, self.prefix_cache, guard=guard,
                                              pacer=self.pacer, limit=self.max_concurrent,
-                                             report=self._report)  # fmt: skip
+                                             report=self._report,
+                                             make_cache=self.new_cache)  # fmt: skip
         self.stats_snapshot = self.stats()
 
     # --- the outside -----------------------------------------------------------
@@ -352,6 +361,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             batching_reason=self.batching_reason,
             prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats(),
             next_turn=None if self.next_turn is None else self.next_turn.stats(),
+            kv_bits=self.kv_bits,
+            kv_group_size=None if self.kv_bits is None else self.kv_group_size,
         )
 
     # --- starting requests ---------------------------------------------------

@@ -288,6 +288,11 @@ class Runner:
             else:
                 group = None
                 loaded = load_model(command.model, progress, self.guard)
+            if command.engine.kv_bits is not None:  # fails the load, not a request later
+                from runner.kv_quant import check_quantizable
+
+                check_quantizable(loaded.model, command.engine.kv_bits,
+                                  command.engine.kv_group_size)  # fmt: skip
         except MemoryGuardError as exc:
             log.error(
                 "memory_guard_abort",

@@ -19,7 +19,6 @@ from typing import Any
 import mlx.core as mx
 import structlog
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.messages import ChatMessage, ChatOptions, NextTurnStats
 from runner.chat_template import render_chat, template_turns
@@ -104,6 +103,8 @@ class NextTurnPrefill:
             past it, the oldest is dropped.
         report: sends the engine's figures (called when the next-turn
             figures its status shows have changed).
+        make_cache: a fresh cache for the model (the engine's: quantized
+            with kv_bits).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class NextTurnPrefill:
         pacer: PrefillPacer,
         limit: int,
         report: Callable[[], None],
+        make_cache: Callable[[], PromptCache],
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -124,6 +126,7 @@ class NextTurnPrefill:
         self.pacer = pacer
         self.limit = limit
         self.report = report
+        self.make_cache = make_cache
         self.turns: deque[NextTurn] = deque()
         self.counts = {"prefilled": 0, "tokens": 0, "dropped": 0}
 
@@ -215,7 +218,7 @@ class NextTurnPrefill:
                 self.report()
                 return False
         turn.cache = (prefix_view(match.value, match.reuse) if match is not None
-                      else make_prompt_cache(self.model))  # fmt: skip
+                      else self.make_cache())  # fmt: skip
         return True
 
     def _store(self, turn: NextTurn) -> bool:

@@ -54,8 +54,9 @@ def _layer_view(layer: Any, length: int) -> Any:
         view.values = layer.values[..., :length, :]
         view.offset = length
         return view
-    if kind is QuantizedKVCache and layer.keys is not None:
-        view = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+    if issubclass(kind, QuantizedKVCache) and layer.keys is not None:
+        # Its bits from its state: runner.kv_quant.QuantizedKV hides .bits after a prefill step.
+        view = kind(group_size=layer.group_size, bits=layer.state[4])
         view.keys = tuple(part[..., :length, :] for part in layer.keys)
         view.values = tuple(part[..., :length, :] for part in layer.values)
         view.offset = length

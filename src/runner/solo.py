@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.messages import FinishReason
 from runner.distributed import Group
@@ -50,6 +49,7 @@ class SoloPath:
 
     # The engine's state these steps use (set by Engine.__init__).
     model: Any
+    new_cache: Callable[[], PromptCache]  # a fresh cache (quantized with kv_bits)
     group: Group | None
     solo: Solo | None
     pacer: PrefillPacer
@@ -72,7 +72,7 @@ class SoloPath:
     def _start_solo(self, job: Job) -> None:
         cache = self._fetch(job)
         if cache is None:
-            cache = make_prompt_cache(self.model)
+            cache = self.new_cache()
         if job.request.sampling.seed is not None:
             mx.random.seed(job.request.sampling.seed)
         job.started = time.perf_counter()

@@ -16,7 +16,7 @@ from msgspec import Meta
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES
 from ipc.messages import RestartStrategy
 from supervisor.netaddr import is_loopback
-from supervisor.runners.placement import group_places
+from supervisor.runners.placement import group_places, is_group
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
 
 # Ranges checked when the config is decoded; an error names the key and the range.
@@ -111,6 +111,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_cache: bool | None = None  # keep a KV prefix cache (default: daemon's)
     prefix_cache_bytes: Bytes | None = None  # its budget (default: 25% of the memory budget)
     next_turn_prefill: bool | None = None  # prefill chats' next turns (default: daemon's)
+    # Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache), in
+    # groups of kv_group_size values with a scale and a bias each; None: the
+    # model's dtype. 4-bit at group 64 can ruin a small model's answers (see the shipped config).
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
     # Shard the model over this many processes on this machine with
     # mx.distributed (tensor parallel where the architecture has ``shard``,
     # else pipeline); they are supervised as one unit.
@@ -127,7 +132,8 @@ def spec_problem(spec: ModelConfig, *, places: bool = True) -> str | None:
     or runner environment (see ``supervisor.security``), or (``places``) a
     hostfile that cannot place its ranks. The one check of a model's spec,
     wherever it comes from: the config file, a load request, a load on demand,
-    the state file."""
+    the state file. A quantized KV cache (``kv_bits``) is refused in a
+    distributed group for now: its load probe would run collectives, untested."""
     problem = (
         model_name_problem(spec.name)
         or model_reference_problem(spec.model)
@@ -135,6 +141,8 @@ def spec_problem(spec: ModelConfig, *, places: bool = True) -> str | None:
     )
     if problem:
         return problem
+    if spec.kv_bits is not None and is_group(spec):
+        return "kv_bits with a distributed group (ranks, hostfile): not yet"
     if not places:
         return None
     try:

@@ -104,6 +104,8 @@ def cmd_load(args: argparse.Namespace, client: Client) -> int:
             prefix_cache=False if args.no_prefix_cache else None,
             ranks=args.ranks,
             hostfile=str(Path(args.hostfile).resolve()) if args.hostfile else None,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
             on_progress=progress,
         )
     finally:
@@ -248,10 +250,12 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from supervisor.memory.estimate import estimate_json, estimate_reference, render_estimate
+    from supervisor.cli.render import estimate_json, render_estimate
+    from supervisor.memory.estimate import estimate_reference
 
     try:
-        estimate = estimate_reference(args.model, args.context)
+        estimate = estimate_reference(args.model, args.context, kv_bits=args.kv_bits,
+                                      kv_group_size=args.kv_group_size or 64)  # fmt: skip
     except (OSError, ValueError) as exc:
         print(f"error: cannot estimate {args.model}: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -267,6 +271,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     else:
         print(render_estimate(estimate, args.model))
     return EXIT_OK
+
+
+def _kv_arguments(p: argparse.ArgumentParser) -> None:
+    """``--kv-bits`` and ``--kv-group-size``, as a model's kv_bits and kv_group_size."""
+    p.add_argument("--kv-bits", type=int, choices=[4, 8],
+                   help="quantize the KV cache to 4 or 8 bits (default: off)")  # fmt: skip
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
+                   help="values per scale and bias of the quantized KV cache (default 64; "
+                        "use 32 with 4-bit on small models)")  # fmt: skip
 
 
 def _duration(text: str) -> float:
@@ -339,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep no KV prefix cache for this model")  # fmt: skip
     p.add_argument("--pin", action="store_true",
                    help="never evict or expire this model")  # fmt: skip
+    _kv_arguments(p)
     p.add_argument(
         "--context",
         type=int,
@@ -351,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, metavar="TOKENS", help="context tokens to plan for")
     p.add_argument("--ranks", type=int, default=1, metavar="N",
                    help="what one rank holds when the model is sharded over N")  # fmt: skip
+    _kv_arguments(p)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", parents=[socket_parent], help="stream a generation")

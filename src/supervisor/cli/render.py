@@ -1,5 +1,6 @@
 """What the command line prints: the status table, the memory line, load
-progress (bars on a terminal, lines elsewhere), and a streaming answer."""
+progress (bars on a terminal, lines elsewhere), a streaming answer, and a
+model's memory estimate."""
 
 from __future__ import annotations
 
@@ -8,12 +9,21 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import msgspec
 from tqdm import tqdm
 
 from ipc.messages import LoadProgress, RankInfo, RunnerInfo, StatusReply
+from supervisor.memory.estimate import OVERHEAD_SOURCE_TEXT, Estimate, describe_kv_cache
 from supervisor.units import format_bytes, format_duration
 
-__all__ = ["AnswerPrinter", "ProgressPrinter", "memory_line", "status_table"]
+__all__ = [
+    "AnswerPrinter",
+    "ProgressPrinter",
+    "estimate_json",
+    "memory_line",
+    "render_estimate",
+    "status_table",
+]
 
 
 def status_table(status: StatusReply) -> str:
@@ -95,13 +105,63 @@ def _rank_row(rank: RankInfo) -> tuple[str, ...]:
 
 
 def _cache_cell(r: RunnerInfo) -> str:
-    """'12.0 MiB, 3 (80% hits)': the prefix cache's bytes, entries and hit rate."""
+    """'12.0 MiB, 3 (80% hits)': the prefix cache's bytes, entries and hit rate; then
+    ', kv 8-bit' when the KV cache is quantized."""
+    kv = f", kv {r.kv_bits}-bit" if r.kv_bits is not None else ""
     cache = r.prefix_cache
     if cache is None:
-        return "off" if r.batching is not None else "-"
+        return ("off" if r.batching is not None else "-") + kv
     lookups = cache.hits + cache.misses
     rate = f" ({100 * cache.hits / lookups:.0f}% hits)" if lookups else ""
-    return f"{format_bytes(cache.bytes)}, {cache.entries}{rate}"
+    return f"{format_bytes(cache.bytes)}, {cache.entries}{rate}{kv}"
+
+
+_WEIGHTS_SOURCE_TEXT = {
+    "safetensors": "exact, from the safetensors headers",
+    "gguf": "computed from the GGUF header, dequantized as the runner converts it",
+    "disk": "size of the files on disk",
+    "builtin": "computed from the builtin recipe (not built yet)",
+}
+
+
+def render_estimate(estimate: Estimate, model: str) -> str:
+    """The table ``mlx-supervisor estimate MODEL`` prints: one line per part, the total, and
+    where the weights figure comes from."""
+    source = OVERHEAD_SOURCE_TEXT.get(estimate.overhead_source, estimate.overhead_source)
+    rows = [
+        ("weights", estimate.weights_bytes),
+        (f"KV cache ({describe_kv_cache(estimate)})", estimate.kv_cache_bytes),
+        ("activations", estimate.activation_bytes),
+        ("runner overhead", estimate.overhead_bytes),
+        (f"  runtime ({source})", estimate.runtime_bytes),
+    ]
+    if estimate.vision:
+        rows.append(("vision encoder", estimate.vision_bytes))
+    rows += [
+        ("total", estimate.total_bytes),
+        ("headroom", estimate.headroom_bytes),
+        ("planned", estimate.planned_bytes),
+    ]
+    label_width = max(len(label) for label, _ in rows)
+    sizes = [format_bytes(n) for _, n in rows]
+    size_width = max(len(size) for size in sizes)
+    kind = "vision model" if estimate.vision else "text model"
+    lines = [f"{model} ({kind})"]
+    for (label, _), size in zip(rows, sizes, strict=True):
+        lines.append(f"  {label:<{label_width}}  {size:>{size_width}}")
+    source = _WEIGHTS_SOURCE_TEXT.get(estimate.weights_source, estimate.weights_source)
+    lines.append(f"weights: {source}")
+    if estimate.overhead_source == "default":
+        lines.append("runtime: a default; a daemon plans what it measures on its warm spare")
+    if estimate.path is not None:
+        lines.append(f"path: {estimate.path}")
+    return "\n".join(lines)
+
+
+def estimate_json(estimate: Estimate) -> dict[str, Any]:
+    """The estimate as a JSON object (``estimate --json``): every field of ``Estimate``, and
+    ``planned_bytes``."""
+    return {**msgspec.structs.asdict(estimate), "planned_bytes": estimate.planned_bytes}
 
 
 PHASE_UNITS = {"weights": "layer", "fetch": "B", "convert": "tensor"}

@@ -102,6 +102,8 @@ def load(
     prefix_cache: bool | None = None,
     ranks: int | None = None,
     hostfile: str | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
     on_progress: Callable[[LoadProgress], None] | None = None,
 ) -> Call[Loaded]:
     """Start a runner for ``model`` and wait until it is ready; ``on_progress``
@@ -119,6 +121,7 @@ def load(
     request = LoadRequest(
         local_model_reference(model), name, max_tokens, env or {}, restart,
         keep_alive_s, pinned, context_tokens, max_concurrent, prefix_cache, ranks, hostfile,
+        kv_bits, kv_group_size,
     )  # fmt: skip
     return Call(request, Loaded, progress)
 

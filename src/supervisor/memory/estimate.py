@@ -36,15 +36,15 @@ from supervisor.units import format_bytes
 __all__ = [
     "DEFAULT_CONTEXT_TOKENS",
     "HEADROOM_SHARE",
+    "OVERHEAD_SOURCE_TEXT",
     "RUNTIME_DEFAULT_BYTES",
     "Estimate",
     "default_context_tokens",
     "describe_estimate",
-    "estimate_json",
+    "describe_kv_cache",
     "estimate_model_dir",
     "estimate_reference",
     "local_model_path",
-    "render_estimate",
     "with_runtime",
 ]
 
@@ -108,6 +108,9 @@ _VISION_TENSOR_PARTS = frozenset(
 _GGUF_MAGIC = b"GGUF"  # how a GGUF file begins
 # What snapshot_download must find in the cache for the estimate (and a load) to work.
 _HF_ALLOW_PATTERNS = ["*.json", "*.safetensors"]
+KvQuantization = tuple[int | None, int]
+"""The KV cache's bits (None: the model's dtype) and group size, as ``kv_bits`` and
+``kv_group_size`` of a model's config."""
 
 
 class Estimate(msgspec.Struct, frozen=True):
@@ -126,6 +129,8 @@ class Estimate(msgspec.Struct, frozen=True):
     runtime_bytes: int = 0  # part of overhead: the runners' runtime before any model
     overhead_source: str = "default"  # of the runtime: "spare", "runner" (measured), "default"
     headroom_bytes: int = 0  # planned on top of total_bytes (a share of the model's parts)
+    kv_bits: int | None = None  # the KV cache quantized to this many bits (None: model dtype)
+    kv_group_size: int | None = None  # values per scale and bias, with kv_bits
 
     @property
     def planned_bytes(self) -> int:
@@ -133,17 +138,10 @@ class Estimate(msgspec.Struct, frozen=True):
         return self.total_bytes + self.headroom_bytes
 
 
-_OVERHEAD_SOURCE_TEXT = {
+OVERHEAD_SOURCE_TEXT = {  # where an estimate's runtime figure comes from
     "spare": "measured: the warm spare",
     "runner": "measured: a runner at its start",
     "default": "a default: nothing measured yet",
-}
-
-_SOURCE_TEXT = {
-    "safetensors": "exact, from the safetensors headers",
-    "gguf": "computed from the GGUF header, dequantized as the runner converts it",
-    "disk": "size of the files on disk",
-    "builtin": "computed from the builtin recipe (not built yet)",
 }
 
 
@@ -200,26 +198,55 @@ def default_context_tokens(config: dict[str, Any]) -> int:
     return DEFAULT_CONTEXT_TOKENS if limit is None else min(limit, DEFAULT_CONTEXT_TOKENS)
 
 
-def _kv_cache_bytes(config: dict[str, Any], context_tokens: int) -> int:
-    """2 (K and V) x context x layers x kv_heads x head_dim x bytes; 0 if the config lacks them.
-
-    Every layer is counted as full attention: an upper bound for sliding-window layers.
-    """
+def _kv_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """Layers, KV heads and head_dim; None if the config lacks them."""
     layers = config_int(config, "num_hidden_layers")
     kv_heads = config_int(config, "num_key_value_heads") or config_int(
         config, "num_attention_heads"
     )
     head_dim = _head_dim(config)
     if layers is None or kv_heads is None or head_dim is None:
+        return None
+    return layers, kv_heads, head_dim
+
+
+def _kv_cache_bytes(
+    config: dict[str, Any], context_tokens: int, kv_bits: int | None = None, kv_group_size: int = 64
+) -> int:
+    """2 (K and V) x context x layers x kv_heads x bytes per head vector; 0 if the config lacks
+    them. A head vector is head_dim values in the model's dtype, or quantized (``kv_bits``):
+    mlx-lm's QuantizedKVCache packs head_dim x bits, plus a scale and a bias in the model's
+    dtype per group of ``kv_group_size`` values.
+
+    Every layer is counted as full attention: an upper bound once the context is a few
+    windows long. Quantized, a model with a sliding window has layers the runner leaves in
+    its dtype (mlx-lm cannot quantize a rotating cache), holding up to a window of tokens:
+    each layer is counted as the larger of the two, an upper bound still.
+    """
+    shape = _kv_shape(config)
+    if shape is None:
         return 0
-    return 2 * context_tokens * layers * kv_heads * head_dim * _bytes_per_element(config)
+    layers, kv_heads, head_dim = shape
+    element = _bytes_per_element(config)
+    per_token = 2 * layers * kv_heads  # head vectors per token of context
+    if kv_bits is None:
+        return per_token * context_tokens * head_dim * element
+    vector = head_dim * kv_bits // 8 + 2 * element * -(-head_dim // kv_group_size)
+    quantized = per_token * context_tokens * vector
+    window = config_int(config, "sliding_window")
+    if window is None:
+        return quantized
+    unquantized = per_token * min(context_tokens, window) * head_dim * element
+    return max(quantized, unquantized)
 
 
-def _activation_bytes(config: dict[str, Any], context_tokens: int) -> int:
+def _activation_bytes(config: dict[str, Any], context_tokens: int, quantized_kv: bool) -> int:
     """003's ``batch x seq x hidden x multiplier x bytes`` for one prefill step, plus that
     step's attention scores (heads x seq x seq: the score block of the step's queries against
     as many keys; Metal's fused attention never holds more). Batch is 1: a runner serves one
     request at a time. Only the last token's logits are computed, so they are left out.
+    A quantized KV cache (``quantized_kv``) adds one layer's K and V dequantized for the
+    fused attention of a prefill step.
     """
     widths = [
         w
@@ -233,6 +260,10 @@ def _activation_bytes(config: dict[str, Any], context_tokens: int) -> int:
     layer = seq * max(widths) * ACTIVATION_MULTIPLIER * element
     heads = config_int(config, "num_attention_heads") or 0
     scores = heads * seq * seq * element
+    shape = _kv_shape(config)
+    if quantized_kv and shape is not None:
+        _, kv_heads, head_dim = shape
+        layer += 2 * context_tokens * kv_heads * head_dim * element
     return layer + scores
 
 
@@ -288,13 +319,15 @@ def _assemble(
     path: Path | None,
     context_tokens: int | None,
     vision: bool,
+    kv: KvQuantization,
 ) -> Estimate:
     if context_tokens is None:
         context_tokens = default_context_tokens(config)
     if context_tokens < 1:
         raise ValueError(f"context_tokens must be at least 1, not {context_tokens}")
-    kv_cache = _kv_cache_bytes(config, context_tokens)
-    activations = _activation_bytes(config, context_tokens)
+    kv_bits, kv_group_size = kv
+    kv_cache = _kv_cache_bytes(config, context_tokens, kv_bits, kv_group_size)
+    activations = _activation_bytes(config, context_tokens, quantized_kv=kv_bits is not None)
     vocabulary = config_int(config, "vocab_size") or 0
     model_overhead = (
         MODEL_RUNTIME_BYTES
@@ -320,6 +353,8 @@ def _assemble(
         runtime_bytes=RUNTIME_DEFAULT_BYTES,
         overhead_source="default",
         headroom_bytes=round(HEADROOM_SHARE * model),
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size if kv_bits is not None else None,
     )
 
 
@@ -337,7 +372,13 @@ def with_runtime(estimate: Estimate, runtime_bytes: int, source: str) -> Estimat
     )
 
 
-def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimate:
+def estimate_model_dir(
+    path: Path,
+    context_tokens: int | None = None,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> Estimate:
     """Estimate the model in directory ``path`` (or a single GGUF file).
 
     A directory: weights are the safetensors headers' byte counts (``weights_source``
@@ -356,6 +397,8 @@ def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimat
     Args:
         path: the model directory or GGUF file.
         context_tokens: tokens to plan the KV cache for; default ``default_context_tokens``.
+        kv_bits: the KV cache quantized to 4 or 8 bits (None: in the model's dtype).
+        kv_group_size: values per scale and bias of the quantized KV cache.
 
     Raises:
         ValueError: a corrupt safetensors header, index or config.json (the message names the
@@ -364,10 +407,11 @@ def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimat
         OSError: ``path`` does not exist, or a file cannot be read.
     """
     path = Path(path)
+    kv = (kv_bits, kv_group_size)
     if path.is_file():
         if not _is_gguf_file(path):
             raise ValueError(f"{path}: neither a model directory nor a GGUF file")
-        return _estimate_gguf(path, context_tokens)
+        return _estimate_gguf(path, context_tokens, kv)
     if not path.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no model directory", str(path))
 
@@ -379,12 +423,12 @@ def estimate_model_dir(path: Path, context_tokens: int | None = None) -> Estimat
             tensors = safetensors_tensor_bytes(file)
             weights_bytes += sum(tensors.values())
             vision = vision or any(_is_vision_tensor(name) for name in tensors)
-        return _assemble(config, weights_bytes, "safetensors", path, context_tokens, vision)
+        return _assemble(config, weights_bytes, "safetensors", path, context_tokens, vision, kv)
     if ggufs := sorted(path.glob("*.gguf")):
         weights_bytes = sum(file.stat().st_size for file in ggufs)
-        return _assemble(config, weights_bytes, "disk", path, context_tokens, vision)
+        return _assemble(config, weights_bytes, "disk", path, context_tokens, vision, kv)
     weights_bytes = sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
-    return _assemble(config, weights_bytes, "disk", path, context_tokens, vision)
+    return _assemble(config, weights_bytes, "disk", path, context_tokens, vision, kv)
 
 
 def _is_gguf_file(path: Path) -> bool:
@@ -399,17 +443,18 @@ def _is_gguf_file(path: Path) -> bool:
         return False
 
 
-def _estimate_gguf(path: Path, context_tokens: int | None) -> Estimate:
+def _estimate_gguf(path: Path, context_tokens: int | None, kv: KvQuantization) -> Estimate:
     """A GGUF file as the runner loads it: its conversion if made, else from its header."""
     # modelfiles.gguf reads stat results and the GGUF header with the standard library; the
     # runner's converter uses it too, which keeps one definition of the conversion's cache
     # name, config and dtype for the runner and the estimate.
     converted = built_gguf_model_dir(path)
     if converted is not None:
-        estimate = estimate_model_dir(converted, context_tokens)
+        estimate = estimate_model_dir(converted, context_tokens, kv_bits=kv[0],
+                                      kv_group_size=kv[1])  # fmt: skip
         return msgspec.structs.replace(estimate, path=str(path))
     config, weights_bytes = gguf_config_and_weight_bytes(path)
-    return _assemble(config, weights_bytes, "gguf", path, context_tokens, vision=False)
+    return _assemble(config, weights_bytes, "gguf", path, context_tokens, False, kv)
 
 
 def _hf_cached_snapshot(repo_id: str) -> Path | None:
@@ -447,7 +492,13 @@ def local_model_path(model: str) -> Path | None:
     return None
 
 
-def estimate_reference(model: str, context_tokens: int | None = None) -> Estimate | None:
+def estimate_reference(
+    model: str,
+    context_tokens: int | None = None,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> Estimate | None:
     """Estimate ``model`` as a config names it (``builtin:NAME``, a path or a hub repo id).
 
     A builtin model not built yet is estimated from its recipe (``weights_source`` "builtin",
@@ -458,6 +509,7 @@ def estimate_reference(model: str, context_tokens: int | None = None) -> Estimat
     Args:
         model: the model reference.
         context_tokens: tokens to plan the KV cache for; default ``default_context_tokens``.
+        kv_bits, kv_group_size: the KV cache's quantization (see ``estimate_model_dir``).
 
     Raises:
         ValueError: corrupt model files (see ``estimate_model_dir``).
@@ -465,14 +517,15 @@ def estimate_reference(model: str, context_tokens: int | None = None) -> Estimat
     """
     path = local_model_path(model)
     if path is not None:
-        return estimate_model_dir(path, context_tokens)
+        return estimate_model_dir(path, context_tokens, kv_bits=kv_bits,
+                                  kv_group_size=kv_group_size)  # fmt: skip
     if model.startswith(BUILTIN_PREFIX):
         try:
             config, weights_bytes = _builtin_recipe(model)
         except ValueError:
             return None
         return _assemble(dict(config), weights_bytes, "builtin", None, context_tokens,
-                         vision=False)  # fmt: skip
+                         vision=False, kv=(kv_bits, kv_group_size))  # fmt: skip
     return None
 
 
@@ -509,57 +562,25 @@ def _builtin_recipe(model: str) -> tuple[dict[str, Any], int]:
 
 
 # --------------------------------------------------------------------------------------------
-# Output
+# In words (the ``estimate`` command's table and JSON are ``supervisor.cli.render``'s)
 # --------------------------------------------------------------------------------------------
 
 
-def render_estimate(estimate: Estimate, model: str) -> str:
-    """The table ``mlx-supervisor estimate MODEL`` prints: one line per part, the total, and
-    where the weights figure comes from."""
-    source = _OVERHEAD_SOURCE_TEXT.get(estimate.overhead_source, estimate.overhead_source)
-    rows = [
-        ("weights", estimate.weights_bytes),
-        (f"KV cache ({estimate.context_tokens} tokens)", estimate.kv_cache_bytes),
-        ("activations", estimate.activation_bytes),
-        ("runner overhead", estimate.overhead_bytes),
-        (f"  runtime ({source})", estimate.runtime_bytes),
-    ]
-    if estimate.vision:
-        rows.append(("vision encoder", estimate.vision_bytes))
-    rows += [
-        ("total", estimate.total_bytes),
-        ("headroom", estimate.headroom_bytes),
-        ("planned", estimate.planned_bytes),
-    ]
-    label_width = max(len(label) for label, _ in rows)
-    sizes = [format_bytes(n) for _, n in rows]
-    size_width = max(len(size) for size in sizes)
-    kind = "vision model" if estimate.vision else "text model"
-    lines = [f"{model} ({kind})"]
-    for (label, _), size in zip(rows, sizes, strict=True):
-        lines.append(f"  {label:<{label_width}}  {size:>{size_width}}")
-    source = _SOURCE_TEXT.get(estimate.weights_source, estimate.weights_source)
-    lines.append(f"weights: {source}")
-    if estimate.overhead_source == "default":
-        lines.append("runtime: a default; a daemon plans what it measures on its warm spare")
-    if estimate.path is not None:
-        lines.append(f"path: {estimate.path}")
-    return "\n".join(lines)
-
-
-def estimate_json(estimate: Estimate) -> dict[str, Any]:
-    """The estimate as a JSON object (``estimate --json``): every field of ``Estimate``, and
-    ``planned_bytes``."""
-    return {**msgspec.structs.asdict(estimate), "planned_bytes": estimate.planned_bytes}
+def describe_kv_cache(estimate: Estimate) -> str:
+    """'8192 tokens', or '8192 tokens, 8-bit, groups of 64' for a quantized KV cache."""
+    tokens = f"{estimate.context_tokens} tokens"
+    if estimate.kv_bits is None:
+        return tokens
+    return f"{tokens}, {estimate.kv_bits}-bit, groups of {estimate.kv_group_size}"
 
 
 def describe_estimate(estimate: Estimate) -> str:
     """The estimate in one line, for refusals and logs: the total and its parts, the runtime
     and where that came from, and the headroom planned on top."""
-    source = _OVERHEAD_SOURCE_TEXT.get(estimate.overhead_source, estimate.overhead_source)
+    source = OVERHEAD_SOURCE_TEXT.get(estimate.overhead_source, estimate.overhead_source)
     parts = [
         f"weights {format_bytes(estimate.weights_bytes)}",
-        f"KV cache {format_bytes(estimate.kv_cache_bytes)} ({estimate.context_tokens} tokens)",
+        f"KV cache {format_bytes(estimate.kv_cache_bytes)} ({describe_kv_cache(estimate)})",
         f"activations {format_bytes(estimate.activation_bytes)}",
         f"overhead {format_bytes(estimate.overhead_bytes)} (runtime "
         f"{format_bytes(estimate.runtime_bytes)}, {source})",

@@ -5,6 +5,7 @@ longer than their keep-alive."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -74,9 +75,11 @@ class Admitter:
         """
         estimate = None
         try:
-            estimate = await anyio.to_thread.run_sync(
-                estimate_reference, entry.spec.model, entry.spec.context_tokens
-            )
+            spec = entry.spec
+            estimate = await anyio.to_thread.run_sync(functools.partial(
+                estimate_reference, spec.model, spec.context_tokens,
+                kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
+            ))  # fmt: skip
         except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
             entry.log.warning("estimate_failed", error=str(exc))
         baseline = self.admission.baseline

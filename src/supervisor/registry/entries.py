@@ -17,6 +17,7 @@ import anyio
 import structlog
 
 from ipc.messages import (
+    EngineStats,
     ErrorCode,
     ExitInfo,
     Loaded,
@@ -224,6 +225,7 @@ class ModelEntry:
             rss = handle.measure_rss()  # every local rank
         memory = handle.memory if pid is not None and handle is not None else None
         engine = handle.engine_stats if pid is not None and handle is not None else None
+        kv_bits, kv_group_size = self._kv_quantization(engine)
         return RunnerInfo(
             name=self.name,
             model=self.spec.model,
@@ -251,8 +253,19 @@ class ModelEntry:
             batching_reason=engine.batching_reason if engine is not None else None,
             prefix_cache=engine.prefix_cache if engine is not None else None,
             next_turn=engine.next_turn if engine is not None else None,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
             ranks=handle.rank_info() if isinstance(handle, RunnerGroup) else [],
         )
+
+    def _kv_quantization(self, engine: EngineStats | None) -> tuple[int | None, int | None]:
+        """The KV cache's bits and group size: as the runner reports them, else (no runner
+        loaded) as the spec asks; (None, None) for a cache in the model's dtype."""
+        if engine is not None:
+            return engine.kv_bits, engine.kv_group_size
+        if self.spec.kv_bits is None:
+            return None, None
+        return self.spec.kv_bits, self.spec.kv_group_size
 
 
 def entry_named(entries: dict[str, ModelEntry], name: str) -> ModelEntry:

@@ -41,7 +41,8 @@ def merge_spec(config: SupervisorConfig, request: LoadRequest) -> ModelConfig:
     fields.pop("preload", None)
     fields.update(name=name, model=request.model, env=env)
     keys = ("max_tokens", "restart", "keep_alive_s", "pinned", "context_tokens",
-            "max_concurrent", "prefix_cache", "ranks", "hostfile")  # fmt: skip
+            "max_concurrent", "prefix_cache", "ranks", "hostfile", "kv_bits",
+            "kv_group_size")  # fmt: skip
     for key in keys:
         value = getattr(request, key)
         if value is not None:
@@ -100,4 +101,6 @@ def engine_settings(config: SupervisorConfig, spec: ModelConfig) -> EngineSettin
         next_turn_prefill=spec.next_turn_prefill if spec.next_turn_prefill is not None
         else config.next_turn_prefill,
         prefill_chunk_s=config.prefill_chunk_s,
+        kv_bits=spec.kv_bits,
+        kv_group_size=spec.kv_group_size,
     )  # fmt: skip
