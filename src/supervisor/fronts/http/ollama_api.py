@@ -166,15 +166,18 @@ class ModelOp(msgspec.Struct, frozen=True):
         return self.keep_alive_s == 0
 
 
-class OllamaChat:
-    """``POST /api/chat``: :meth:`read` gives the call a body asks for, or
-    the model operation of a body with no messages."""
+class OllamaRequests:
+    """``POST /api/chat`` (and, as :class:`OllamaGenerate`, ``/api/generate``):
+    :meth:`read` gives the call a body asks for, or the model operation of a
+    body with nothing to answer (no messages, no prompt)."""
 
     generate = False
 
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config
-        self._decoder = msgspec.json.Decoder(ChatBody)
+        self._decoder: msgspec.json.Decoder[ChatBody | GenerateBody] = msgspec.json.Decoder(
+            GenerateBody if self.generate else ChatBody
+        )
 
     async def read(self, request: Request) -> OllamaCall | ModelOp:
         """Raises ApiError, ClientDisconnect."""
@@ -182,44 +185,30 @@ class OllamaChat:
         body = await read_json(request, self._decoder, self.config)
         body.model = model_name(body.model)
         check_model(body.model)
-        if not body.messages:
-            return ModelOp(body.model, keep_alive_seconds(body.keep_alive), self.generate)
-        return chat_call(body, received_at)
+        if isinstance(body, GenerateBody):
+            if body.prompt:
+                return generate_call(body, received_at)
+        elif body.messages:
+            return chat_call(body, received_at)
+        return ModelOp(body.model, keep_alive_seconds(body.keep_alive), self.generate)
 
     def answer(self, call: CompletionCall, model: str) -> OllamaAnswer:
         return OllamaAnswer(call, model, self.generate)
 
 
-class OllamaGenerate:
-    """``POST /api/generate``: :meth:`read` gives the call a body asks for,
-    or the model operation of a body with no prompt."""
+class OllamaChat(OllamaRequests):
+    """``POST /api/chat``."""
+
+
+class OllamaGenerate(OllamaRequests):
+    """``POST /api/generate``."""
 
     generate = True
-
-    def __init__(self, config: SupervisorConfig) -> None:
-        self.config = config
-        self._decoder = msgspec.json.Decoder(GenerateBody)
-
-    async def read(self, request: Request) -> OllamaCall | ModelOp:
-        """Raises ApiError, ClientDisconnect."""
-        received_at = time.perf_counter()
-        body = await read_json(request, self._decoder, self.config)
-        body.model = model_name(body.model)
-        check_model(body.model)
-        if not body.prompt:
-            return ModelOp(body.model, keep_alive_seconds(body.keep_alive), self.generate)
-        return generate_call(body, received_at)
-
-    def answer(self, call: CompletionCall, model: str) -> OllamaAnswer:
-        return OllamaAnswer(call, model, self.generate)
 
 
 def check_model(model: str) -> None:
     if not model:
         raise bad("model", "model is required")
-
-
-OllamaDialect = OllamaChat | OllamaGenerate
 
 
 class OllamaRoute:
@@ -229,7 +218,7 @@ class OllamaRoute:
     with ``keep_alive`` 0 to unload it, and is answered here, as Ollama
     answers it (``done_reason`` "load" or "unload")."""
 
-    def __init__(self, api: OllamaInfo, dialect: OllamaDialect) -> None:
+    def __init__(self, api: OllamaInfo, dialect: OllamaRequests) -> None:
         self.api = api
         self.completions = api.completions
         self.dialect = dialect
@@ -267,7 +256,7 @@ class ReadCall:
 
     framing: Framing = OLLAMA
 
-    def __init__(self, dialect: OllamaDialect, call: OllamaCall) -> None:
+    def __init__(self, dialect: OllamaRequests, call: OllamaCall) -> None:
         self.dialect = dialect
         self.call = call
 
