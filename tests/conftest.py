@@ -17,7 +17,7 @@ from ipc.messages import FAULTS_ENV, RunnerInfo
 from modelfiles.builtin import builtin_cache_dir
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client
-from supervisor.config import HTTP_ENV
+from supervisor.config import HTTP_ENV, KV_CACHE_DIR_ENV
 from supervisor.daemon.process import DaemonProcess
 from supervisor.system import stop_process
 
@@ -52,7 +52,7 @@ def isolated_xdg(
     builtin_cache: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[None]:
-    """Every test gets its own runtime/state/config dirs; no socket env leaks in."""
+    """Every test gets its own runtime/state/config/KV-block dirs; no socket env leaks in."""
     xdg = tmp_path_factory.mktemp("xdg")
     for var, sub in (
         ("XDG_RUNTIME_DIR", "run"),
@@ -63,6 +63,9 @@ def isolated_xdg(
         path.mkdir(parents=True)
         monkeypatch.setenv(var, str(path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(builtin_cache))
+    # The XDG cache is the session's (builtin models are made once): KV blocks
+    # on disk go elsewhere, so no test reads another's.
+    monkeypatch.setenv(KV_CACHE_DIR_ENV, str(xdg / "kv"))
     monkeypatch.delenv("MLX_SUPERVISOR_SOCKET", raising=False)
     # No fixed HTTP port shared by daemons in parallel: tests that want HTTP ask for port 0.
     monkeypatch.setenv(HTTP_ENV, "off")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -232,6 +232,35 @@ class GenerationDone(msgspec.Struct, tag="done"):
     stop_string: str | None = None  # the request's stop string that ended it (finish "stop")
 
 
+class DiskCacheStats(msgspec.Struct, frozen=True):
+    """The prefix cache's disk tier: KV blocks kept in files, so that a chat
+    comes back warm after its runner's process ends.
+
+    ``entries``, ``bytes``: the blocks in the model's directory (every
+    runner of the same model shares them). ``hits``: RAM misses the disk
+    served; ``tokens_restored``: the tokens those reads gave back.
+    ``rejected``: blocks read but dropped (a checksum, a key or a shape did
+    not match; a file was missing or truncated), by reason in
+    ``rejected_by``. ``skipped``: blocks not written because the disk was
+    nearly full or the write queue was. ``reason``: why the tier is off
+    (then the rest is zero)."""
+
+    directory: str | None = None
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    hits: int = 0
+    tokens_restored: int = 0
+    rejected: int = 0
+    rejected_by: dict[str, int] = {}
+    written: int = 0
+    write_errors: int = 0
+    skipped: int = 0
+    evictions: int = 0
+    pending: int = 0  # blocks queued for the writer thread
+    reason: str | None = None
+
+
 class PrefixCacheStats(msgspec.Struct, frozen=True):
     """A runner's KV prefix cache: what it holds and how it has done."""
 
@@ -242,6 +271,7 @@ class PrefixCacheStats(msgspec.Struct, frozen=True):
     misses: int = 0
     evictions: int = 0
     tokens_reused: int = 0
+    disk: DiskCacheStats | None = None  # None: no disk tier for this model
 
 
 class NextTurnStats(msgspec.Struct, frozen=True):
@@ -319,9 +349,11 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
 
 
 class CacheClearRequest(msgspec.Struct, tag="cache_clear"):
-    """Drop a model's prefix cache (its runner stays loaded)."""
+    """Drop a model's prefix cache, both tiers (its runner stays loaded);
+    ``disk_only``: only the blocks on disk."""
 
     name: str
+    disk_only: bool = False
 
 
 class CancelRequest(msgspec.Struct, tag="cancel"):
@@ -497,11 +529,15 @@ class ShutdownAck(msgspec.Struct, tag="shutdown_ack"):
 
 
 class CacheCleared(msgspec.Struct, tag="cache_cleared"):
-    """Runner -> supervisor -> client: the prefix cache was dropped."""
+    """Runner -> supervisor -> client: the prefix cache was dropped
+    (``entries`` and ``bytes`` in RAM, ``disk_entries`` and ``disk_bytes``
+    on disk)."""
 
     name: str
     entries: int
     bytes: int
+    disk_entries: int = 0
+    disk_bytes: int = 0
 
 
 NO_MODEL_LOADED = "no model loaded"
@@ -604,6 +640,8 @@ class EngineSettings(msgspec.Struct, frozen=True):
     take about this long at the rate measured on the model. ``kv_bits``:
     the KV cache is quantized to this many bits (4 or 8; None: the model's
     dtype), in groups of ``kv_group_size`` values with a scale and a bias.
+    ``prefix_cache_disk_bytes``: the prefix cache's disk tier may hold this
+    much in ``prefix_cache_dir`` (0 or no directory: no disk tier).
     """
 
     max_concurrent: int = 8
@@ -616,6 +654,8 @@ class EngineSettings(msgspec.Struct, frozen=True):
     prefill_chunk_s: float = 1.0
     kv_bits: int | None = None
     kv_group_size: int = 64
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_dir: str | None = None
 
 
 class Distributed(msgspec.Struct, frozen=True):
@@ -674,7 +714,10 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class ClearCache(msgspec.Struct, tag="clear_cache"):
-    """Drop the prefix cache; the runner answers :class:`CacheCleared`."""
+    """Drop the prefix cache (``disk_only``: only its disk tier); the runner
+    answers :class:`CacheCleared`."""
+
+    disk_only: bool = False
 
 
 class Environment(msgspec.Struct, tag="environment"):

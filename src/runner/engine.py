@@ -41,7 +41,9 @@ Its other parts live beside it: each request's output and end
 request record (:mod:`runner.job`).
 
 Everything here runs on the runner's main thread; the pipe-reader thread
-only reads :attr:`Engine.stats_snapshot` (for Pongs) and flags cancels.
+only reads :attr:`Engine.stats_snapshot` (for Pongs, with the disk tier's live
+figures: :meth:`Engine.live_stats`) and flags cancels; the disk tier has its
+own writer thread (:mod:`runner.disk_cache`).
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import structlog
 
 from ipc.messages import (
@@ -68,6 +72,7 @@ from runner.batch import BatchPath
 from runner.batch_admission import AdmissionTimer
 from runner.chat_template import render_chat, template_turns
 from runner.constrained import constraint_processor
+from runner.disk_cache import open_disk_tier
 from runner.distributed import Group
 from runner.faults import Faults
 from runner.guard import MemoryGuard
@@ -156,6 +161,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             rank serves the same requests, one at a time, and stops each at
             the same token; the prefix cache is off (its evictions follow
             each rank's own memory, which could part the ranks).
+        model_path: the model's directory: the disk tier keys its blocks by
+            its files (None: no disk tier).
     """
 
     def __init__(
@@ -171,6 +178,7 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         on_finished: Callable[[int, int | None], None],
         max_tokens_cap: int | None,
         group: Group | None = None,
+        model_path: Path | None = None,
     ) -> None:
         self.model = model
         self.group = group
@@ -198,7 +206,12 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             budget = settings.prefix_cache_bytes
             if budget is None:
                 budget = default_prefix_cache_bytes(guard)
-            self.prefix_cache = PrefixCache(budget, settings.prefix_cache_entries)
+            disk = open_disk_tier(model, tokenizer, model_path, settings, self.new_cache,
+                                  fault=faults.disk_write)  # fmt: skip
+            off = disk if isinstance(disk, str) else None
+            self.prefix_cache = PrefixCache(budget, settings.prefix_cache_entries,
+                                            disk=disk if not isinstance(disk, str) else None,
+                                            disk_off=off)  # fmt: skip
             guard.add_cleanup_hook(self._evict_for_memory)
         self.pending: deque[Job] = deque()
         self.solo: Solo | None = None
@@ -266,10 +279,10 @@ class Engine(SoloPath, BatchPath, AnswerPath):
     def _to_compute(self, job: Job) -> int:
         """The prompt tokens ``job`` will compute: what the prefix cache will not give it."""
         if job.to_compute is None:
-            match = None
+            reuse = 0
             if job.use_cache and self.prefix_cache is not None:
-                match = self.prefix_cache.index.peek(job.prompt)
-            job.to_compute = len(job.prompt) - (match.reuse if match is not None else 0)
+                reuse = self.prefix_cache.reuse(job.prompt)
+            job.to_compute = len(job.prompt) - reuse
         return job.to_compute
 
     def submit(self, request: Generate, received: float | None = None) -> None:
@@ -331,15 +344,32 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             self.send(Heartbeat("prefill" if waiting else "decode", self._progress,
                                 self.guard.figures, now - started))  # fmt: skip
 
-    def clear_cache(self) -> tuple[int, int]:
-        """Drop the prefix cache; returns the entries and bytes dropped."""
+    def clear_cache(self, disk_only: bool = False) -> tuple[int, int, int, int]:
+        """Drop the prefix cache (``disk_only``: its disk tier alone); returns
+        the entries and bytes dropped in RAM, then the blocks and bytes on disk."""
         if self.prefix_cache is None:
-            return 0, 0
-        if self.next_turn is not None:
+            return 0, 0, 0, 0
+        if self.next_turn is not None and not disk_only:
             self.next_turn.drop_all()
-        dropped = self.prefix_cache.clear()
+        dropped = self.prefix_cache.clear(ram=not disk_only)
         self._report()
         return dropped
+
+    def live_stats(self) -> EngineStats:
+        """The last snapshot, with the disk tier's figures as they are now
+        (its writer thread moves them while the engine is idle). Thread-safe."""
+        snapshot, cache = self.stats_snapshot, self.prefix_cache
+        if cache is None or cache.disk is None or snapshot.prefix_cache is None:
+            return snapshot
+        disk = cache.disk.stats()
+        return msgspec.structs.replace(
+            snapshot, prefix_cache=msgspec.structs.replace(snapshot.prefix_cache, disk=disk))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Before the process ends: the disk tier writes what is queued
+        (for at most ``timeout_s``), so that the next runner finds it."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.close(timeout_s)
 
     def fail_all(self, exc: BaseException) -> None:
         """Something broke outside any one request: every request in the

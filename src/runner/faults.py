@@ -47,6 +47,10 @@ comma-separated list of ``NAME`` or ``NAME=ARG``:
 - ``script_prefix=BASE64``: the same, but after the text the model goes on
   as it would (a random model then thinks at random inside a ``<think>`` the
   prefix opened, where it would never open one itself).
+- ``kill_in_disk_write=STAGE``: SIGKILL ourselves in the prefix cache's disk
+  writer at STAGE of a block's write: ``tmp_written`` (the file complete
+  under its temporary name), ``renamed`` (in place, not yet in the index) or
+  ``recorded`` (in the index).
 - ``once=PATH``: fire at most once across runners: a runner finding PATH
   injects nothing; the first fault to fire creates it. Lets a test crash a
   model's first runner but not the one restarted in its place.
@@ -118,6 +122,13 @@ class Faults:
 
     def arg(self, name: str) -> str:
         return self._items.get(name, "")
+
+    def disk_write(self, stage: str) -> None:
+        """The disk writer reached ``stage`` of a block's write."""
+        if self.arg("kill_in_disk_write") == stage:
+            self._fire()
+            log.warning("fault_kill_in_disk_write", stage=stage)
+            kill_self("SIGKILL")
 
     def at_load(self) -> None:
         """Apply the load-time faults (called before weights are read)."""

@@ -149,7 +149,7 @@ class Runner:
                 # No mlx call here: liveness must not depend on what mlx is doing.
                 # The figures are those the main thread measured last.
                 engine = self.engine
-                stats = engine.stats_snapshot if engine is not None else None
+                stats = engine.live_stats() if engine is not None else None
                 with contextlib.suppress(OSError):
                     self.channel.send(Pong(command.seq, self.guard.figures, stats))
                 continue
@@ -196,15 +196,19 @@ class Runner:
                     self.step(engine)  # the requests in flight end as cancelled first
                     self.commands.put(command)
                     continue
+                if engine is not None:
+                    engine.close()  # the disk tier writes what is queued
                 return f"shutdown: {command.reason}"
             if isinstance(command, LoadModel):
                 self.load(command)
             elif isinstance(command, Generate):
                 self.generate(command)
             elif isinstance(command, ClearCache):
-                entries, nbytes = engine.clear_cache() if engine is not None else (0, 0)
-                log.info("prefix_cache_cleared", entries=entries, bytes=nbytes)
-                self.channel.send(CacheCleared(self.name, entries, nbytes))
+                cleared = engine.clear_cache(command.disk_only) if engine is not None else None
+                entries, nbytes, blocks, disk_bytes = cleared or (0, 0, 0, 0)
+                log.info("prefix_cache_cleared", entries=entries, bytes=nbytes, disk_entries=blocks,
+                         disk_bytes=disk_bytes, disk_only=command.disk_only)  # fmt: skip
+                self.channel.send(CacheCleared(self.name, entries, nbytes, blocks, disk_bytes))
             elif isinstance(command, CountTokens):
                 self.count_tokens(command)
             if command is None and engine is not None:
@@ -330,6 +334,7 @@ class Runner:
             on_finished=self.request_finished,
             max_tokens_cap=self.max_tokens_cap,
             group=group,
+            model_path=loaded.path,
         )
         stats = self.engine.stats_snapshot
         active, peak = self.guard.figures.active_bytes, self.guard.figures.peak_bytes

@@ -16,20 +16,28 @@ of the prompt, and then copied, since they are updated in place.
 
 The index (tokens, recency, bytes) is pure Python in
 :mod:`runner.prefix_index`; this module only measures and copies caches.
+
+Under the RAM tier, a disk tier (:mod:`runner.disk_cache`) keeps what is
+stored in files that outlive the process: on a RAM miss, or a RAM hit shorter
+than what the disk holds, the disk's blocks are read, verified and promoted
+into the RAM tier; a RAM hit counts as a use of the disk's blocks too.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, can_trim_prompt_cache
 
-from ipc.messages import PrefixCacheStats
+from ipc.messages import DiskCacheStats, PrefixCacheStats
 from runner.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from runner.disk_cache import DiskTier
 
 __all__ = ["PrefixCache", "cache_nbytes", "prefix_view"]
 
@@ -79,10 +87,20 @@ class PrefixCache:
     Args:
         budget_bytes: the most the stored caches may hold together.
         max_entries: the most sequences stored.
+        disk: the disk tier under it, if any.
+        disk_off: why there is none (shown in status), if so.
     """
 
-    def __init__(self, budget_bytes: int, max_entries: int) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        max_entries: int,
+        disk: DiskTier | None = None,
+        disk_off: str | None = None,
+    ) -> None:
         self.index: PrefixIndex[PromptCache] = PrefixIndex(budget_bytes, max_entries)
+        self.disk = disk
+        self.disk_off = disk_off
         self._evictions_released = 0
 
     def fetch(self, tokens: Sequence[int]) -> tuple[PromptCache | None, int]:
@@ -90,14 +108,55 @@ class PrefixCache:
 
         Always leaves at least one token to compute. A miss is ``(None, 0)``.
         """
+        restored = self._from_disk(tokens)
+        if restored is not None:
+            return restored
         match = self.index.lookup(tokens)
         if match is None:
             return None, 0
+        if self.disk is not None:
+            self.disk.touch_prefix(tokens[: match.reuse])
         return prefix_view(match.value, match.reuse), match.reuse
 
+    def reuse(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` :meth:`fetch` would give (no disk I/O, no counters)."""
+        match = self.index.peek(tokens)
+        reuse = 0 if match is None else match.reuse
+        if self.disk is not None and len(tokens) > 1:
+            reuse = max(reuse, min(self.disk.reuse(tokens), len(tokens) - 1))
+        return reuse
+
+    def _from_disk(self, tokens: Sequence[int]) -> tuple[PromptCache, int] | None:
+        """Promote the disk's blocks for ``tokens`` into RAM when they hold more
+        of it than RAM does. Returns a view to start from only when they could
+        not be kept in RAM (then the RAM lookup would not find them)."""
+        if self.disk is None:
+            return None
+        match = self.index.peek(tokens)
+        restored = self.disk.restore(tokens, better_than=0 if match is None else match.reuse)
+        if restored is None:
+            return None
+        kept, cache = restored
+        if self._store_ram(kept, cache):
+            return None
+        reuse = 0
+        limit = min(len(kept), len(tokens) - 1)
+        while reuse < limit and kept[reuse] == tokens[reuse]:
+            reuse += 1
+        return prefix_view(cache, reuse), reuse
+
     def store(self, tokens: Sequence[int], cache: PromptCache) -> bool:
-        """Keep ``cache``, which holds exactly ``tokens``; False if it is
-        larger than the whole budget (then it is not kept)."""
+        """Keep ``cache``, which holds exactly ``tokens``, in RAM and on disk;
+        False if it is larger than the whole RAM budget (then RAM does not keep it)."""
+        stored = self._store_ram(tokens, cache)
+        if self.disk is not None and cache and cache[0].size() == len(tokens):
+            try:
+                self.disk.save(tokens, cache)
+            except Exception:  # the disk is a cache: a failure costs a recompute, no more
+                log.exception("prefix_cache_disk_save_failed")
+        return stored
+
+    def _store_ram(self, tokens: Sequence[int], cache: PromptCache) -> bool:
         trimmable = can_trim_prompt_cache(cache)
         if trimmable and cache and cache[0].size() != len(tokens):
             # A cache that does not hold what its key says would poison every later hit.
@@ -121,11 +180,19 @@ class PrefixCache:
         self._release_evicted()
         return before - self.index.bytes
 
-    def clear(self) -> tuple[int, int]:
-        """Drop every entry; returns the entries and bytes dropped."""
-        entries, nbytes = len(self.index), self.index.bytes
-        self.evict(None)
-        return entries, nbytes
+    def clear(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int, int, int]:
+        """Drop the entries of the tiers named; returns the entries and bytes
+        dropped in RAM, then the blocks and bytes dropped on disk."""
+        entries, nbytes = (len(self.index), self.index.bytes) if ram else (0, 0)
+        if ram:
+            self.evict(None)
+        blocks, disk_bytes = self.disk.clear() if disk and self.disk is not None else (0, 0)
+        return entries, nbytes, blocks, disk_bytes
+
+    def close(self, timeout_s: float) -> None:
+        """Let the disk tier write what is queued, for at most ``timeout_s``."""
+        if self.disk is not None:
+            self.disk.close(timeout_s)
 
     def _release_evicted(self) -> None:
         """After evictions, hand MLX's freed buffers back to the system.
@@ -148,4 +215,6 @@ class PrefixCache:
             misses=s.misses,
             evictions=s.evictions,
             tokens_reused=s.tokens_reused,
-        )
+            disk=self.disk.stats() if self.disk is not None
+            else DiskCacheStats(reason=self.disk_off) if self.disk_off is not None else None,
+        )  # fmt: skip

@@ -15,6 +15,7 @@ from msgspec import Meta
 
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES
 from ipc.messages import RestartStrategy
+from modelfiles.cache import cache_root
 from supervisor.netaddr import is_loopback
 from supervisor.runners.placement import group_places, is_group
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
@@ -49,6 +50,9 @@ DEFAULT_HTTP_LISTEN = f"127.0.0.1:{DEFAULT_HTTP_PORT}"
 HTTP_OFF = "off"
 HTTP_ENV = "MLX_SUPERVISOR_HTTP"
 """Overrides http_listen (``serve --http`` overrides both)."""
+KV_CACHE_DIR_ENV = "MLX_SUPERVISOR_KV_CACHE_DIR"
+"""Where the prefix cache's disk tier keeps KV blocks when the config's
+prefix_cache_dir is unset (the tests point it at a directory of their own)."""
 
 
 class ConfigError(Exception):
@@ -110,6 +114,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrent: Concurrency | None = None  # requests served side by side (default: daemon's)
     prefix_cache: bool | None = None  # keep a KV prefix cache (default: daemon's)
     prefix_cache_bytes: Bytes | None = None  # its budget (default: 25% of the memory budget)
+    prefix_cache_disk_bytes: Bytes | None = None  # its disk tier's budget (default: daemon's)
     next_turn_prefill: bool | None = None  # prefill chats' next turns (default: daemon's)
     # Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache), in
     # groups of kv_group_size values with a scale and a bias each; None: the
@@ -220,6 +225,12 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_concurrent: Concurrency = 8  # requests a model serves side by side (1: one at a time)
     prefix_cache: bool = True  # reuse the KV cache of earlier requests' shared prefixes
     prefix_cache_entries: Positive = 256  # sequences a runner's prefix cache keeps at most
+    # The prefix cache's disk tier: KV blocks kept in files, so that a chat comes
+    # back warm after its runner ends (an unload, a crash, a restart); at most
+    # this many bytes per model (0: no disk tier; per model:
+    # prefix_cache_disk_bytes), under prefix_cache_dir (see kv_cache_dir).
+    prefix_cache_disk_bytes: Bytes = 4 << 30
+    prefix_cache_dir: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     stream_interval_ms: Annotated[int, Meta(ge=0, le=1_000)] = 25  # text frames at most this often
     # Requests on an idle model wait, from the first one's arrival, up to this
     # share of the prefill they all expect (at most 50 ms; 10 ms before a
@@ -247,6 +258,18 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     def model_config(self, name: str) -> ModelConfig | None:
         """The configured settings for the model called ``name``, if any."""
         return next((m for m in self.models if m.name == name), None)
+
+
+def kv_cache_dir(config: SupervisorConfig) -> Path:
+    """Where the prefix cache's disk tier keeps its blocks: the config's
+    ``prefix_cache_dir``, else $MLX_SUPERVISOR_KV_CACHE_DIR (``~`` expanded in
+    either), else ``kv`` in the per-user cache (``modelfiles.cache.cache_root``)."""
+    if config.prefix_cache_dir is not None:
+        return Path(config.prefix_cache_dir).expanduser()
+    from_env = os.environ.get(KV_CACHE_DIR_ENV)
+    if from_env:
+        return Path(from_env).expanduser()
+    return cache_root() / "kv"
 
 
 def with_http_override(config: SupervisorConfig, flag: str | None) -> SupervisorConfig:

@@ -19,7 +19,12 @@ import msgspec
 
 from ipc.messages import ChatMessage
 from supervisor import __version__
-from supervisor.cli.render import AnswerPrinter, ProgressPrinter, status_table
+from supervisor.cli.render import (
+    AnswerPrinter,
+    ProgressPrinter,
+    cache_cleared_line,
+    status_table,
+)
 from supervisor.client import Client, ClientError, DaemonUnreachable
 from supervisor.config import ConfigError, load_config
 from supervisor.daemon.paths import SOCKET_ENV, default_config_path, default_socket_path
@@ -215,9 +220,8 @@ def cmd_chat(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_cache(args: argparse.Namespace, client: Client) -> int:
-    cleared = client.clear_cache(args.name)
-    print(f"{cleared.name}: prefix cache cleared ({cleared.entries} entries, "
-          f"{format_bytes(cleared.bytes)})")  # fmt: skip
+    cleared = client.clear_cache(args.name, disk_only=args.disk_only)
+    print(cache_cleared_line(cleared, disk_only=args.disk_only))
     return EXIT_OK
 
 
@@ -405,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
         "clear", parents=[socket_parent], help="drop the model's KV prefix cache (it stays loaded)"
     )
     cp.add_argument("name")
+    cp.add_argument("--disk-only", action="store_true",
+                    help="drop only the blocks kept on disk (the RAM tier stays)")  # fmt: skip
 
     p = sub.add_parser("service", help="print a launchd plist or systemd unit")
     service_sub = p.add_subparsers(dest="service_command", required=True)

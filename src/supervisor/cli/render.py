@@ -12,13 +12,14 @@ from typing import Any, TextIO
 import msgspec
 from tqdm import tqdm
 
-from ipc.messages import LoadProgress, RankInfo, RunnerInfo, StatusReply
+from ipc.messages import CacheCleared, LoadProgress, RankInfo, RunnerInfo, StatusReply
 from supervisor.memory.estimate import OVERHEAD_SOURCE_TEXT, Estimate, describe_kv_cache
 from supervisor.units import format_bytes, format_duration
 
 __all__ = [
     "AnswerPrinter",
     "ProgressPrinter",
+    "cache_cleared_line",
     "estimate_json",
     "memory_line",
     "render_estimate",
@@ -106,14 +107,26 @@ def _rank_row(rank: RankInfo) -> tuple[str, ...]:
 
 def _cache_cell(r: RunnerInfo) -> str:
     """'12.0 MiB, 3 (80% hits)': the prefix cache's bytes, entries and hit rate; then
-    ', kv 8-bit' when the KV cache is quantized."""
+    ', disk 200.0 MiB' when its disk tier is on, and ', kv 8-bit' when the KV
+    cache is quantized."""
     kv = f", kv {r.kv_bits}-bit" if r.kv_bits is not None else ""
     cache = r.prefix_cache
     if cache is None:
         return ("off" if r.batching is not None else "-") + kv
     lookups = cache.hits + cache.misses
     rate = f" ({100 * cache.hits / lookups:.0f}% hits)" if lookups else ""
-    return f"{format_bytes(cache.bytes)}, {cache.entries}{rate}{kv}"
+    tier = cache.disk  # None, or off with a reason: nothing to show
+    disk = f", disk {format_bytes(tier.bytes)}" if tier is not None and tier.reason is None else ""
+    return f"{format_bytes(cache.bytes)}, {cache.entries}{rate}{disk}{kv}"
+
+
+def cache_cleared_line(cleared: CacheCleared, *, disk_only: bool = False) -> str:
+    """What ``cache clear`` prints: 'NAME: prefix cache cleared (3 entries,
+    12.0 MiB in RAM; 40 blocks, 200.0 MiB on disk)'; ``disk_only``: the disk
+    part alone."""
+    disk = f"{cleared.disk_entries} blocks, {format_bytes(cleared.disk_bytes)} on disk"
+    ram = f"{cleared.entries} entries, {format_bytes(cleared.bytes)} in RAM; "
+    return f"{cleared.name}: prefix cache cleared ({'' if disk_only else ram}{disk})"
 
 
 _WEIGHTS_SOURCE_TEXT = {

@@ -136,9 +136,10 @@ def shutdown() -> Call[ShutdownAck]:
     return Call(ShutdownRequest(), ShutdownAck)
 
 
-def clear_cache(name: str) -> Call[CacheCleared]:
-    """Drop the model's prefix cache (its runner stays loaded)."""
-    return Call(CacheClearRequest(name), CacheCleared)
+def clear_cache(name: str, disk_only: bool = False) -> Call[CacheCleared]:
+    """Drop the model's prefix cache, in RAM and on disk (``disk_only``: only
+    the blocks on disk); its runner stays loaded."""
+    return Call(CacheClearRequest(name, disk_only), CacheCleared)
 
 
 def generate(

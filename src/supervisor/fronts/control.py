@@ -253,7 +253,7 @@ class ControlServer:
         elif isinstance(request, UnloadRequest):
             await conn.send(await self.registry.unload(request.name))
         elif isinstance(request, CacheClearRequest):
-            await conn.send(await self.registry.clear_cache(request.name))
+            await conn.send(await self.registry.clear_cache(request.name, request.disk_only))
         elif isinstance(request, ShutdownRequest):
             try:
                 count = await self.shutdown()

@@ -328,13 +328,14 @@ class Registry:
         self.on_change()
         return entry.load_result
 
-    async def clear_cache(self, name: str) -> CacheCleared:
-        """Drop the named model's prefix cache; its runner stays loaded.
+    async def clear_cache(self, name: str, disk_only: bool = False) -> CacheCleared:
+        """Drop the named model's prefix cache, both tiers (``disk_only``: only
+        the blocks on disk); its runner stays loaded.
 
         Raises:
             RequestError: unknown model, or no runner ready to ask.
         """
-        return await self.requests.clear_cache(name)
+        return await self.requests.clear_cache(name, disk_only)
 
     # --- generate ------------------------------------------------------------
 

@@ -77,8 +77,9 @@ class RequestRelay:
         self._request_ids = itertools.count(1)
         self._counting: dict[str, anyio.Lock] = {}  # per model: one token count at a time
 
-    async def clear_cache(self, name: str) -> CacheCleared:
-        """Drop the named model's prefix cache; its runner stays loaded.
+    async def clear_cache(self, name: str, disk_only: bool = False) -> CacheCleared:
+        """Drop the named model's prefix cache, both tiers (``disk_only``: only
+        the blocks on disk); its runner stays loaded.
 
         Raises:
             RequestError: unknown model, or no runner ready to ask.
@@ -89,7 +90,7 @@ class RequestRelay:
             raise RequestError("not_ready", f"{name} is {entry.state}: it holds no cache")
         waiter = handle.expect(CacheCleared)
         try:
-            await handle.send(ClearCache())
+            await handle.send(ClearCache(disk_only=disk_only))
             with anyio.fail_after(self.config.decode_stall_s):
                 event = await waiter.wait()
         except TimeoutError:
@@ -99,7 +100,9 @@ class RequestRelay:
         finally:
             waiter.cancel()
         assert isinstance(event, CacheCleared)
-        entry.log.info("prefix_cache_cleared", entries=event.entries, bytes=event.bytes)
+        entry.log.info("prefix_cache_cleared", disk_only=disk_only, entries=event.entries,
+                       bytes=event.bytes, disk_entries=event.disk_entries,
+                       disk_bytes=event.disk_bytes)  # fmt: skip
         return event
 
     async def count_tokens(

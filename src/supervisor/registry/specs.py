@@ -10,8 +10,9 @@ from typing import Any
 import msgspec
 
 from ipc.messages import EngineSettings, LoadRequest
-from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.config import ModelConfig, SupervisorConfig, kv_cache_dir
 from supervisor.registry.entries import RequestError
+from supervisor.runners.placement import is_group
 
 
 def derive_name(model: str) -> str:
@@ -89,7 +90,13 @@ def on_demand_spec(config: SupervisorConfig, ref: str, loaded: list[str]) -> Mod
 
 
 def engine_settings(config: SupervisorConfig, spec: ModelConfig) -> EngineSettings:
-    """The runner's engine settings for ``spec``: its own, else the daemon's."""
+    """The runner's engine settings for ``spec``: its own, else the daemon's.
+    A distributed group gets no disk tier for now (each rank holds only its
+    part of the KV cache)."""
+    disk_bytes = (
+        spec.prefix_cache_disk_bytes if spec.prefix_cache_disk_bytes is not None
+        else config.prefix_cache_disk_bytes
+    )  # fmt: skip
     return EngineSettings(
         max_concurrent=spec.max_concurrent or config.max_concurrent,
         prefix_cache=spec.prefix_cache if spec.prefix_cache is not None
@@ -103,4 +110,6 @@ def engine_settings(config: SupervisorConfig, spec: ModelConfig) -> EngineSettin
         prefill_chunk_s=config.prefill_chunk_s,
         kv_bits=spec.kv_bits,
         kv_group_size=spec.kv_group_size,
+        prefix_cache_disk_bytes=0 if is_group(spec) else disk_bytes,
+        prefix_cache_dir=str(kv_cache_dir(config)),
     )  # fmt: skip
