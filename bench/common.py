@@ -97,8 +97,9 @@ class Daemon:
 
         An explicit config file, even an empty one, keeps a user's own config out, and
         the daemon's state, runtime and config dirs are its own (under ``tmp/LABEL``), so
-        it neither reads a user's state nor leaves any behind. The builtin model cache
-        stays shared. When ``stack`` closes: SIGTERM (graceful), else SIGKILL; if the run
+        it neither reads a user's state nor leaves any behind; so is the prefix cache's
+        disk tier (no run finds another's KV blocks). The builtin model cache stays
+        shared. When ``stack`` closes: SIGTERM (graceful), else SIGKILL; if the run
         failed, the daemon's last log lines go to stderr.
 
         ``http`` is the HTTP front's address (``$MLX_SUPERVISOR_HTTP``): ``"off"`` by
@@ -114,7 +115,8 @@ class Daemon:
         home.mkdir(mode=0o700)
         env = {"MLX_SUPERVISOR_HTTP": http}
         for variable, name in [("XDG_STATE_HOME", "state"), ("XDG_RUNTIME_DIR", "run"),
-                               ("XDG_CONFIG_HOME", "config")]:  # fmt: skip
+                               ("XDG_CONFIG_HOME", "config"),
+                               ("MLX_SUPERVISOR_KV_CACHE_DIR", "kv")]:  # fmt: skip
             (home / name).mkdir(mode=0o700)
             env[variable] = str(home / name)
         # No log file: its writes would be one more thing running in this (client) process.

@@ -439,3 +439,115 @@ def test_the_index_file_names_what_it_holds(tiny: LoadedModel, tmp_path: Path,
     described = json.loads((tier.tier.directory / "identity.json").read_text())
     assert described["model"] == str(tiny.path) and described["kv_bits"] is None
     assert len(described["layout"]) == len(tiny.model.layers)
+
+
+# --- what a review found (each failed before its fix) ---------------------------------------
+
+
+def test_an_unreadable_index_or_undeletable_file_costs_a_recompute_not_the_request(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = open_tier(tiers, tiny, tmp_path)
+    first.save(tokens_of(700))
+    damage_case("checksum", first.tier)
+    fresh = open_tier(tiers, tiny, tmp_path)
+    prompt = [*tokens_of(700), 7]
+
+    def denied(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(Path, "unlink", denied)
+    prefix = PrefixCache(1 << 30, 16, disk=fresh.tier)
+    _, reused = prefix.fetch(prompt)  # the damaged block cannot be deleted: no matter
+    assert reused == BLOCK_TOKENS
+    assert fresh.tier.clear()[0] >= 1  # nor can a clear's files: it clears the index
+    monkeypatch.undo()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    other = open_tier(tiers, tiny, tmp_path)
+    other.save(tokens_of(300, seed=3))
+    monkeypatch.setattr(BlockStore, "generation", broken)
+    assert PrefixCache(1 << 30, 16, disk=other.tier).fetch([*tokens_of(300, seed=3), 1])[1] == 300
+
+
+def test_a_runner_sees_another_runners_clear_and_new_blocks(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    one, two = open_tier(tiers, tiny, tmp_path), open_tier(tiers, tiny, tmp_path)
+    old, new = tokens_of(300), tokens_of(300, seed=4)
+    one.save(old)
+    assert two.tier.restore([*old, 1], 0) is not None  # two learns old
+    one.tier.clear()
+    one.save(new)  # its rows come after the deleted ones (they were reused before)
+    assert two.tier.restore([*new, 1], 0) is not None
+    assert two.tier.reuse(old) == 0  # and the cleared blocks are forgotten, not "missing"
+    assert two.tier.stats().rejected == 0
+
+
+def test_a_block_written_twice_keeps_the_first_file_and_its_checksum(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    one, two = open_tier(tiers, tiny, tmp_path), open_tier(tiers, tiny, tmp_path)
+    tokens = tokens_of(200)
+    one.save(tokens)
+    other = prefill(tiny, tokens)  # the same tokens, bytes that differ in the last bits
+    other[0].keys = other[0].keys * (1 + 1e-6)
+    two.tier.save(tokens, other)  # two planned before it read the index: it writes too
+    assert two.tier.flush(30) and two.tier.stats().write_errors == 0
+    third = open_tier(tiers, tiny, tmp_path)
+    restored = third.tier.restore([*tokens, 1], 0)
+    assert restored is not None and third.tier.stats().rejected == 0
+    assert mx.array_equal(restored[1][0].keys, prefill(tiny, tokens)[0].keys[..., :200, :]).item()
+
+
+def test_eviction_keeps_the_prefix_chats_share(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    tier = open_tier(tiers, tiny, tmp_path)
+    shared = tokens_of(BLOCK_TOKENS)
+    chats = [[*shared, *tokens_of(40, seed=seed)] for seed in range(3)]
+    for chat in chats:
+        tier.save(chat)
+    stats = tier.tier.stats()
+    tail = (stats.bytes - tier.tier.tree.match(shared, written_only=True)[0][0].nbytes) // 3
+    tier.tier.budget_bytes = stats.bytes - tail // 2  # one chat's own block must go
+    tier.save([*shared, *tokens_of(40, seed=9)])
+    assert tier.tier.reuse(shared) == BLOCK_TOKENS  # the shared block stays
+    assert sum(tier.tier.reuse(chat) == len(chat) for chat in chats) == 1  # the oldest two went
+    assert tier.tier.stats().evictions == 2
+
+
+def test_ram_hits_reach_the_index_for_the_next_runner(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    tier = open_tier(tiers, tiny, tmp_path)
+    tier.save(tokens_of(100))
+    with sqlite3.connect(tier.tier.directory / "index.sqlite") as db:
+        (before,) = db.execute("SELECT last_used FROM blocks").fetchone()
+    tier.tier.touch_prefix(tokens_of(100))
+    tier.tier.close()
+    with sqlite3.connect(tier.tier.directory / "index.sqlite") as db:
+        (after,) = db.execute("SELECT last_used FROM blocks").fetchone()
+    assert after > before
+
+
+def test_a_writer_that_cannot_start_stops_the_tier_without_holding_saves(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = disk_cache.BlockStore
+    opened: list[int] = []
+
+    def second_fails(path: Path) -> BlockStore:
+        opened.append(1)
+        if len(opened) == 2:  # the writer thread's own connection
+            raise sqlite3.OperationalError("unable to open database file")
+        return real(path)
+
+    monkeypatch.setattr(disk_cache, "BlockStore", second_fails)
+    tier = open_tier(tiers, tiny, tmp_path)
+    tier.tier._thread.join(10)
+    assert tier.tier.broken is not None and "index" in tier.tier.broken
+    assert tier.tier.save(tokens_of(300), prefill(tiny, tokens_of(300))) == 0
+    assert tier.tier.flush(1) and tier.tier.stats().reason == tier.tier.broken

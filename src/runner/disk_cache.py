@@ -55,6 +55,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +72,17 @@ __all__ = ["DiskTier", "Layout", "model_identity", "open_disk_tier", "probe_layo
 
 log = structlog.get_logger("runner.disk_cache")
 
-FORMAT = "1"
+FORMAT = "2"
 """The block files' format; part of every identity."""
 
 MAX_PENDING_BYTES = 512 << 20
 """Blocks queued for writing beyond this many bytes are skipped, not queued."""
 
-ORPHAN_AGE_S = 600.0
+ORPHAN_AGE_S = 60.0
 """Files the index does not name, older than this, are leftovers of a killed writer."""
+
+STALE_IDENTITY_S = 30 * 86_400.0
+"""Another identity's directory no runner has used for this long is removed."""
 
 PromptCache = list[Any]
 
@@ -164,6 +168,13 @@ def span(block: Block) -> tuple[int, int]:
     return block.start, block.end
 
 
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def model_identity(
     path: Path, tokenizer: Any, layout: Layout, kv_bits: int | None, group_size: int
 ) -> tuple[str, dict[str, Any]]:
@@ -176,6 +187,8 @@ def model_identity(
     template = getattr(tokenizer, "chat_template", None)
     described: dict[str, Any] = {
         "format": FORMAT,
+        "mlx": str(getattr(mx, "__version__", "unknown")),
+        "mlx_lm": _version("mlx-lm"),
         "model": str(path),
         "weights": weights,
         "tokenizer": tokenizer_files,
@@ -198,6 +211,10 @@ class _Write:
     nbytes: int
 
 
+_TOUCH = "touch"
+"""Queued for the writer: record the uses (RAM hits, restores) in the index."""
+
+
 class DiskTier:
     """One model's KV blocks on disk.
 
@@ -212,6 +229,9 @@ class DiskTier:
             the larger of 1 GiB and 5% of the disk).
         fault: test tooling, called as ``fault(stage)`` at each stage of a
             block's write (``tmp_written``, ``renamed``, ``recorded``).
+
+    Nothing it does on the main thread raises: a failure of the disk costs
+    a recompute (logged and counted), never a request or the runner.
 
     Raises:
         OSError, sqlite3.Error: the directory or its index cannot be opened.
@@ -245,16 +265,19 @@ class DiskTier:
         self.min_free_bytes = min_free_bytes
         self.fault = fault
         self.tree = BlockTree()
-        self._lock = threading.Lock()  # the tree and the counters
-        self._io = threading.Lock()  # one block write, or a clear, at a time
+        self.broken: str | None = None  # why the writer stopped, if it did
+        self._lock = threading.Lock()  # the tree, the counters, the uses
+        self._io = threading.Lock()  # one block write, eviction or clear at a time
         self._reader = BlockStore(self.directory / "index.sqlite")  # the main thread's
-        self._seen_rowid = 0
+        self._seen = 0  # the last row this runner has read
+        self._generation = -1  # the index's deletions, as last seen
         self._used: dict[str, float] = {}  # uses not yet recorded in the index
-        self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._reading: set[str] = set()  # blocks a restore reads now: not evicted
+        self._queue: queue.SimpleQueue[_Write | str | None] = queue.SimpleQueue()
         self._pending = 0
         self._pending_bytes = 0
         self._idle = threading.Condition(self._lock)
-        self._entries, self._bytes = self._reader.totals()
+        self._entries = self._bytes = 0
         self._hits = self._tokens_restored = self._written = 0
         self._write_errors = self._skipped = self._evictions = 0
         self._rejected: Counter[str] = Counter()
@@ -281,11 +304,25 @@ class DiskTier:
         than ``better_than`` of the tokens a caller must compute (it always
         computes the last one): their tokens and their cache, verified.
         None when the disk holds no more than that, or its blocks fail."""
+        try:
+            return self._restore(tokens, better_than)
+        except Exception:
+            log.exception("prefix_cache_disk_restore_failed")
+            return None
+        finally:
+            with self._lock:
+                self._reading.clear()
+
+    def _restore(
+        self, tokens: Sequence[int], better_than: int
+    ) -> tuple[list[int], PromptCache] | None:
         self._refresh()
         with self._lock:
             chain, matched = self.tree.match(tokens, written_only=True)
+            self._reading.update(block.key for block in chain)
         if min(matched, len(tokens) - 1) <= better_than:
             return None
+        self.touch(chain)  # first: the writer's eviction goes by recency
         parts: list[tuple[Block, dict[str, mx.array]]] = []
         for block in chain:
             arrays = self._read(block)
@@ -297,7 +334,6 @@ class DiskTier:
             return None
         cache = self._assemble([arrays for _, arrays in parts])
         restored = [token for block, _ in parts for token in block.tokens]
-        self.touch(chain[: len(parts)])
         with self._lock:
             self._hits += 1
             self._tokens_restored += covered
@@ -312,16 +348,24 @@ class DiskTier:
         self.touch(chain)
 
     def touch(self, blocks: Sequence[Block]) -> None:
+        """Record a use of ``blocks``; the writer puts it in the index."""
+        if not blocks:
+            return
         now = time.time()
         with self._lock:
+            first = not self._used
             for block in blocks:
                 block.last_used = now
                 self._used[block.key] = now
+        if first:  # one marker queued while uses wait, not one per use
+            self._queue.put(_TOUCH)
 
     def save(self, tokens: Sequence[int], cache: PromptCache) -> int:
         """Queue the blocks ``tokens`` needs beyond those on disk (or queued),
         copied out of ``cache``, which holds exactly ``tokens``; return how
         many were queued."""
+        if self.broken is not None:
+            return 0
         with self._lock:
             planned = plan_blocks(self.tree, self.identity, tokens)
         queued: list[_Write] = []
@@ -355,32 +399,44 @@ class DiskTier:
 
     def clear(self) -> tuple[int, int]:
         """Drop every block of this model (queued ones too); return the
-        blocks and bytes that were on disk."""
+        blocks and bytes that were on disk. A failure is logged, not raised."""
+        entries = nbytes = 0
         with self._io:
             while True:
                 try:
                     write = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if write is not None:
+                if isinstance(write, _Write):
                     self._done(write, written=False)
-            entries, nbytes = self._reader.totals()
-            keys = self._reader.clear()
-            for key in keys:
-                self._path(key).unlink(missing_ok=True)
+                elif write is None:
+                    self._queue.put(None)  # closing: the writer still has to see it
+                    break
+            try:
+                entries, nbytes = self._reader.totals()
+                keys = self._reader.clear()
+            except sqlite3.Error as exc:
+                log.warning("prefix_cache_disk_clear_failed", error=str(exc))
+                keys = []
             with self._lock:
                 self.tree = BlockTree()
                 self._used.clear()
                 self._entries = self._bytes = 0
-                self._seen_rowid = 0
+            for key in keys:
+                with contextlib.suppress(OSError):
+                    self._path(key).unlink(missing_ok=True)
         log.info("prefix_cache_disk_cleared", blocks=entries, bytes=nbytes)
         return entries, nbytes
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Write what is queued (for at most ``timeout_s``), then stop the writer."""
+        """Write what is queued and the uses (for at most ``timeout_s`` in
+        all), then stop the writer."""
+        deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
         self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(sqlite3.Error):
+            self._reader.close()
 
     def stats(self) -> DiskCacheStats:
         with self._lock:
@@ -398,28 +454,59 @@ class DiskTier:
                 skipped=self._skipped,
                 evictions=self._evictions,
                 pending=self._pending,
+                reason=self.broken,
             )
 
     def _refresh(self) -> None:
-        """Learn the blocks other runners of this model wrote since the last look."""
-        rows = self._reader.rows(self._seen_rowid)
+        """Learn what other runners of this model did since the last look:
+        the blocks they wrote, and (when the index's deletions moved) the whole
+        index again. Errors leave the tree as it was."""
+        try:
+            generation = self._reader.generation()
+            again = generation != self._generation
+            rows = self._reader.rows(0 if again else self._seen)
+            totals = self._reader.totals()
+        except sqlite3.Error as exc:
+            log.warning("prefix_cache_disk_index_unreadable", error=str(exc))
+            return
         with self._lock:
-            for rowid, block in rows:
-                self._seen_rowid = max(self._seen_rowid, rowid)
+            if again:  # rebuilt from the index, with this runner's queued blocks on it
+                queued = sorted((b for b in self.tree.blocks.values() if not b.written),
+                                key=lambda b: b.start)  # fmt: skip
+                self.tree = BlockTree()
+                self._generation = generation
+            for seq, block in rows:
+                self._seen = max(self._seen, seq)
                 known = self.tree.blocks.get(block.key)
-                if known is not None:
+                if known is not None:  # queued here, and written by another runner
                     known.written = True
                     known.nbytes, known.checksum = block.nbytes, block.checksum
                 else:
                     self.tree.add(block)
+            if again:
+                for block in queued:
+                    self.tree.add(block)
+            self._entries, self._bytes = totals
 
     def _read(self, block: Block) -> dict[str, mx.array] | None:
-        """``block``'s arrays, every check passed; None (the block rejected) otherwise."""
+        """``block``'s arrays, every check passed; None (the block rejected,
+        or gone: another runner evicted it) otherwise."""
         checked = self._check(block)
-        if isinstance(checked, str):
-            self._reject(block, checked)
+        if isinstance(checked, dict):
+            return checked
+        if checked == "missing" and self._gone(block):
+            with self._lock:
+                self.tree.remove(block.key)
             return None
-        return checked
+        self._reject(block, checked)
+        return None
+
+    def _gone(self, block: Block) -> bool:
+        """Whether the index no longer has ``block`` (evicted or cleared)."""
+        try:
+            return self._reader.get(block.key) is None
+        except sqlite3.Error:
+            return False
 
     def _check(self, block: Block) -> dict[str, mx.array] | str:
         """``block``'s arrays, or why they cannot be used."""
@@ -475,12 +562,16 @@ class DiskTier:
         with self._lock:
             self._rejected[reason] += 1
             self.tree.remove(block.key)
-        with self._io:
-            for key in self._reader.delete_subtrees([block.key]):
-                self._path(key).unlink(missing_ok=True)
-            totals = self._reader.totals()
-        with self._lock:
-            self._entries, self._bytes = totals
+        try:
+            with self._io:
+                for key in self._reader.delete_subtrees([block.key]):
+                    with contextlib.suppress(OSError):
+                        self._path(key).unlink(missing_ok=True)
+                totals = self._reader.totals()
+            with self._lock:
+                self._entries, self._bytes = totals
+        except sqlite3.Error as exc:
+            log.warning("prefix_cache_disk_index_unwritable", error=str(exc))
 
     def _assemble(self, parts: list[dict[str, mx.array]]) -> PromptCache:
         """One cache holding the blocks' tokens in order."""
@@ -506,65 +597,121 @@ class DiskTier:
     # --- the writer thread -------------------------------------------------
 
     def _write_loop(self) -> None:
-        store = BlockStore(self.directory / "index.sqlite")
+        try:
+            store = BlockStore(self.directory / "index.sqlite")
+        except Exception as exc:
+            self._stop_writing(f"its index cannot be opened: {exc}")
+            return
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    break
+                if item == _TOUCH:
+                    self._record_uses(store)
+                    continue
+                assert isinstance(item, _Write)
+                with self._io:
+                    written = self._write_guarded(store, item)
+                if written:
+                    self._after_write(store)
+                self._done(item, written)
+            self._record_uses(store)
+        except Exception as exc:  # a bug here must not leave saves queued forever
+            log.exception("prefix_cache_disk_writer_failed")
+            self._stop_writing(f"its writer failed: {type(exc).__name__}: {exc}")
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                store.close()
+
+    def _stop_writing(self, why: str) -> None:
+        """The writer is gone: no more saves; the queued ones are dropped."""
+        self.broken = why
         while True:
-            write = self._queue.get()
-            if write is None:
-                break
-            with self._io:
-                try:
-                    written = self._write(store, write)
-                except Exception as exc:
-                    log.warning("prefix_cache_disk_write_failed", key=write.block.key,
-                                error=f"{type(exc).__name__}: {exc}")  # fmt: skip
-                    with self._lock:
-                        self._write_errors += 1
-                    written = False
-                self._done(write, written)
-        store.close()
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Write):
+                self._done(item, written=False)
+
+    def _write_guarded(self, store: BlockStore, write: _Write) -> bool:
+        try:
+            return self._write(store, write)
+        except Exception as exc:
+            log.warning("prefix_cache_disk_write_failed", key=write.block.key,
+                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            with self._lock:
+                self._write_errors += 1
+            return False
 
     def _write(self, store: BlockStore, write: _Write) -> bool:
-        """Write one block's file and record it; False if it was skipped."""
+        """Write one block's file and record it; False if it was not written.
+
+        A block file is published with a hard link, which never replaces a
+        file already there: a file under a block's name is only ever the
+        first one written, whole, and its row's checksum is of its bytes."""
         block = write.block
         final = self._path(block.key)
         with self._lock:
             if self.tree.blocks.get(block.key) is not block:
                 return False  # cleared, evicted or rejected (its parent) while it waited
+            if block.written:
+                return True  # another runner wrote it meanwhile
         if shutil.disk_usage(self.directory).free - write.nbytes < self.min_free_bytes:
             with self._lock:
                 self._skipped += 1
             return False
-        final.parent.mkdir(exist_ok=True)
-        scratch = final.with_name(
-            f".{block.key}.{os.getpid()}.{threading.get_ident()}.tmp.safetensors"
-        )
-        metadata = self._metadata(block)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        scratch = final.with_name(f".{block.key}.{os.getpid()}.tmp.safetensors")
         arrays = dict(write.arrays, tokens=mx.array(block.tokens, dtype=mx.int32))
         try:
-            mx.save_safetensors(str(scratch), arrays, metadata=metadata)
+            mx.save_safetensors(str(scratch), arrays, metadata=self._metadata(block))
             with scratch.open("rb+") as file:
                 data = file.read()
                 os.fsync(file.fileno())
             self._fault("tmp_written")
-            os.replace(scratch, final)
+            published = _publish(scratch, final)
         finally:
             scratch.unlink(missing_ok=True)
         fsync_dir(final.parent)
         self._fault("renamed")
-        block.nbytes, block.checksum = len(data), hashlib.sha256(data).hexdigest()
-        block.last_used = time.time()
+        if not published:  # another writer's: its row, or a row of its bytes
+            recorded = store.get(block.key)
+            if recorded is None:
+                data = final.read_bytes()
+        nbytes, checksum = len(data), hashlib.sha256(data).hexdigest()
+        if not published and recorded is not None:
+            nbytes, checksum = recorded.nbytes, recorded.checksum
+        with self._lock:
+            block.nbytes, block.checksum, block.last_used = nbytes, checksum, time.time()
         store.insert(block)
         self._fault("recorded")
         with self._lock:
             block.written = True
             self._written += 1
-            used, self._used = self._used, {}
-        store.touch(used)
-        self._evict(store)
-        totals = store.totals()
-        with self._lock:
-            self._entries, self._bytes = totals
         return True
+
+    def _after_write(self, store: BlockStore) -> None:
+        """Uses recorded, the budget kept, the totals read: after a block is
+        on disk (a failure here leaves the block as it is)."""
+        try:
+            self._record_uses(store)
+            with self._io:
+                self._evict(store)
+                totals = store.totals()
+            with self._lock:
+                self._entries, self._bytes = totals
+        except Exception as exc:
+            log.warning("prefix_cache_disk_upkeep_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _record_uses(self, store: BlockStore) -> None:
+        with self._lock:
+            used, self._used = self._used, {}
+        try:
+            store.touch(used)
+        except sqlite3.Error as exc:
+            log.warning("prefix_cache_disk_touch_failed", error=str(exc))
 
     def _done(self, write: _Write, written: bool) -> None:
         with self._lock:
@@ -576,34 +723,68 @@ class DiskTier:
             self._idle.notify_all()
 
     def _evict(self, store: BlockStore) -> None:
-        """Drop the least recently used blocks (with the blocks after them)
-        until the directory is within its budget."""
+        """Drop the least recently used blocks that no block follows (the
+        prefixes chats share go last) until the directory is within its
+        budget. Blocks a restore is reading are left alone."""
         _, total = store.totals()
         while total > self.budget_bytes:
-            victims = store.least_recent()
+            with self._lock:
+                reading = set(self._reading)
+            victims = [
+                (key, size) for key, size in store.least_recent_leaves() if key not in reading
+            ]
             if not victims:
                 break
-            for key in store.delete_subtrees([victims[0][0]]):
-                self._path(key).unlink(missing_ok=True)
-                with self._lock:
-                    self.tree.remove(key)
-                    self._evictions += 1
-            _, total = store.totals()
+            for key, size in victims:
+                if total <= self.budget_bytes:
+                    break
+                for gone in store.delete_subtrees([key]):
+                    with self._lock:
+                        self.tree.remove(gone)
+                        self._evictions += 1
+                    with contextlib.suppress(OSError):
+                        self._path(gone).unlink(missing_ok=True)
+                total -= size
 
     def _sweep(self, store: BlockStore) -> None:
         """Remove files no index row names, left by a writer killed between
-        its write and its record (old enough that no live writer owns them)."""
+        its write and its record, and temporary files (old enough that no live
+        writer owns them); and other identities' directories no runner has
+        used for :data:`STALE_IDENTITY_S` (a model replaced, a kv_bits changed)."""
         known = store.keys()
         cutoff = time.time() - ORPHAN_AGE_S
         for path in self.blocks_dir.glob("*/*.safetensors"):
-            key = path.name.split(".")[1] if path.name.startswith(".") else path.stem
+            orphan = path.name.startswith(".") or path.stem not in known
             with contextlib.suppress(OSError):
-                if key not in known and path.stat().st_mtime < cutoff:
+                if orphan and path.stat().st_mtime < cutoff:
                     path.unlink()
+        stale = time.time() - STALE_IDENTITY_S
+        for other in self.directory.parent.iterdir():
+            if other == self.directory or not (other / "identity.json").is_file():
+                continue
+            with contextlib.suppress(OSError):
+                used = max(p.stat().st_mtime for p in other.glob("index.sqlite*"))
+                if used < stale:
+                    log.info("prefix_cache_disk_stale_identity_removed", directory=str(other))
+                    shutil.rmtree(other, ignore_errors=True)
 
     def _fault(self, stage: str) -> None:
         if self.fault is not None:
             self.fault(stage)
+
+
+def _publish(scratch: Path, final: Path) -> bool:
+    """Put ``scratch`` in place as ``final`` unless a file is there already;
+    whether it was put there."""
+    try:
+        os.link(scratch, final)
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: the rename is as good, but for a race
+        if final.exists():
+            return False
+        os.replace(scratch, final)
+    return True
 
 
 def open_disk_tier(
@@ -621,15 +802,15 @@ def open_disk_tier(
         return "off (prefix_cache_disk_bytes = 0)"
     if model_path is None or not model_path.is_dir():
         return "the model's files are unknown"
-    layout = probe_layout(model, new_cache)
-    if isinstance(layout, str):
-        return layout
     try:
+        layout = probe_layout(model, new_cache)
+        if isinstance(layout, str):
+            return layout
         identity = model_identity(model_path, tokenizer, layout, settings.kv_bits,
                                   settings.kv_group_size)  # fmt: skip
         return DiskTier(Path(settings.prefix_cache_dir), settings.prefix_cache_disk_bytes,
                         identity, layout, new_cache, fault=fault)  # fmt: skip
-    except (OSError, sqlite3.Error) as exc:
+    except Exception as exc:
         log.warning("prefix_cache_disk_unusable", directory=settings.prefix_cache_dir,
                     error=f"{type(exc).__name__}: {exc}")  # fmt: skip
-        return f"its directory cannot be used: {exc}"
+        return f"off: {type(exc).__name__}: {exc}"

@@ -37,6 +37,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["BLOCK_TOKENS", "Block", "BlockStore", "BlockTree", "block_key", "plan_blocks"]
 
@@ -194,7 +195,8 @@ def plan_blocks(
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
-    key TEXT PRIMARY KEY,
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL UNIQUE,
     parent TEXT,
     start INTEGER NOT NULL,
     tokens BLOB NOT NULL,
@@ -205,11 +207,27 @@ CREATE TABLE IF NOT EXISTS blocks (
 );
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
 CREATE INDEX IF NOT EXISTS blocks_last_used ON blocks(last_used);
+CREATE TABLE IF NOT EXISTS generation (id INTEGER PRIMARY KEY CHECK (id = 0), value INTEGER);
+INSERT OR IGNORE INTO generation VALUES (0, 0);
 """
+
+_COLUMNS = "seq, key, parent, start, tokens, nbytes, checksum, last_used"
+
+
+def _block(row: tuple[Any, ...]) -> tuple[int, Block]:
+    seq, key, parent, start, blob, nbytes, checksum, last_used = row
+    tokens = array("i")
+    tokens.frombytes(blob)
+    return seq, Block(key, parent, start, tuple(tokens), nbytes, checksum, last_used, True)
 
 
 class BlockStore:
     """The blocks on disk, in a SQLite file (WAL mode) beside them.
+
+    Rows are numbered in the order they were recorded (``seq``, never
+    reused), so a reader learns new rows by asking for those after the last
+    it saw; deletions bump :meth:`generation`, so a reader that sees it move
+    reads every row again (another runner of the model evicted or cleared).
 
     Args:
         path: the database file.
@@ -228,27 +246,27 @@ class BlockStore:
     def close(self) -> None:
         self._db.close()
 
+    def generation(self) -> int:
+        """Bumped by every deletion."""
+        (value,) = self._db.execute("SELECT value FROM generation").fetchone()
+        return int(value)
+
     def rows(self, after: int = 0) -> list[tuple[int, Block]]:
-        """Every block with a rowid above ``after``, parents before children
-        where both are new (by rowid: a parent is always written first)."""
-        cursor = self._db.execute(
-            "SELECT rowid, key, parent, start, tokens, nbytes, checksum, last_used "
-            "FROM blocks WHERE rowid > ? ORDER BY rowid",
-            (after,),
-        )
-        found = []
-        for rowid, key, parent, start, blob, nbytes, checksum, last_used in cursor:
-            tokens = array("i")
-            tokens.frombytes(blob)
-            block = Block(key, parent, start, tuple(tokens), nbytes, checksum, last_used, True)
-            found.append((rowid, block))
-        return found
+        """Every block recorded after row ``after`` (0: all), in the order
+        they were recorded (a parent before its children)."""
+        query = f"SELECT {_COLUMNS} FROM blocks WHERE seq > ? ORDER BY seq"
+        return [_block(row) for row in self._db.execute(query, (after,))]
+
+    def get(self, key: str) -> Block | None:
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE key = ?", (key,)).fetchone()
+        return None if row is None else _block(row)[1]
 
     def insert(self, block: Block) -> None:
         """Record a block whose file is in place (a known key is kept as it is)."""
         now = time.time()
         self._db.execute(
-            "INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO blocks (key, parent, start, tokens, nbytes, checksum, "
+            "last_used, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (block.key, block.parent, block.start, _token_bytes(block.tokens), block.nbytes,
              block.checksum, block.last_used or now, now),
         )  # fmt: skip
@@ -273,14 +291,17 @@ class BlockStore:
                     "SELECT k FROM below JOIN blocks ON blocks.key = below.k", (key,))]  # fmt: skip
                 self._db.executemany("DELETE FROM blocks WHERE key = ?", [(k,) for k in found])
                 deleted.extend(found)
+            if deleted:
+                self._db.execute("UPDATE generation SET value = value + 1")
         return deleted
 
-    def least_recent(self, limit: int = 64) -> list[tuple[str, int]]:
-        """The least recently used blocks (later ones first among equals),
-        as (key, nbytes)."""
+    def least_recent_leaves(self, limit: int = 64) -> list[tuple[str, int]]:
+        """The least recently used blocks that no block follows, as (key,
+        nbytes): evicting them first keeps the prefixes chats share."""
         return list(self._db.execute(
-            "SELECT key, nbytes FROM blocks ORDER BY last_used ASC, start DESC LIMIT ?",
-            (limit,)))  # fmt: skip
+            "SELECT key, nbytes FROM blocks AS b WHERE NOT EXISTS "
+            "(SELECT 1 FROM blocks AS c WHERE c.parent = b.key) "
+            "ORDER BY last_used ASC, start DESC LIMIT ?", (limit,)))  # fmt: skip
 
     def totals(self) -> tuple[int, int]:
         """The blocks recorded and their bytes."""
@@ -296,6 +317,7 @@ class BlockStore:
         with self._transaction():
             keys = [row[0] for row in self._db.execute("SELECT key FROM blocks")]
             self._db.execute("DELETE FROM blocks")
+            self._db.execute("UPDATE generation SET value = value + 1")
         return keys
 
     @contextlib.contextmanager

@@ -204,7 +204,11 @@ class Runner:
             elif isinstance(command, Generate):
                 self.generate(command)
             elif isinstance(command, ClearCache):
-                cleared = engine.clear_cache(command.disk_only) if engine is not None else None
+                cleared = None
+                try:
+                    cleared = engine.clear_cache(command.disk_only) if engine else None
+                except Exception:  # the caches are the runner's to lose, not the runner
+                    log.exception("prefix_cache_clear_failed")
                 entries, nbytes, blocks, disk_bytes = cleared or (0, 0, 0, 0)
                 log.info("prefix_cache_cleared", entries=entries, bytes=nbytes, disk_entries=blocks,
                          disk_bytes=disk_bytes, disk_only=command.disk_only)  # fmt: skip
