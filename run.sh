@@ -51,19 +51,19 @@ case "$command" in
     exec .venv/bin/mypy
     ;;
   bench)
-    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed] [script args...]
+    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_integrity] [script args...]
     ensure_venv
     which=${1:-all}
     shift || true
     if [ "$which" = all ]; then
-      for name in daemon recovery hardening memory engine http fronts prefill constrained tool_parsers; do
+      for name in daemon recovery hardening memory engine http real fronts prefill constrained tool_parsers; do
         echo "== bench/bench_$name.py" >&2
         .venv/bin/python "bench/bench_$name.py" "$@"
       done
       exit 0
     fi
     if [ ! -f "bench/bench_$which.py" ]; then
-      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed] [args...]" >&2
+      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_integrity] [args...]" >&2
       exit 2
     fi
     exec .venv/bin/python "bench/bench_$which.py" "$@"
