@@ -148,6 +148,7 @@ def test_blocks_are_read_back_exactly_and_answer_as_no_cache_does(
     assert tier.tier.flush(30)
     stats = tier.tier.stats()
     assert (stats.entries, stats.written, stats.pending) == (3, 3, 0)
+    assert stats.save_s > 0 and stats.writer_cpu_s > 0
     assert stats.bytes == sum(p.stat().st_size for p in tier.tier.blocks_dir.glob("*/*"))
 
     # A new runner (a new tier on the same directory) finds them.

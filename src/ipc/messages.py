@@ -258,6 +258,8 @@ class DiskCacheStats(msgspec.Struct, frozen=True):
     skipped: int = 0
     evictions: int = 0
     pending: int = 0  # blocks queued for the writer thread
+    save_s: float = 0.0  # the main thread's time copying blocks out for the writer
+    writer_cpu_s: float = 0.0  # the writer thread's CPU time (writes, checksums, index)
     reason: str | None = None
 
 

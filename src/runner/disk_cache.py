@@ -280,6 +280,7 @@ class DiskTier:
         self._entries = self._bytes = 0
         self._hits = self._tokens_restored = self._written = 0
         self._write_errors = self._skipped = self._evictions = 0
+        self._save_s = self._writer_cpu_s = 0.0
         self._rejected: Counter[str] = Counter()
         self._refresh()
         try:
@@ -366,6 +367,15 @@ class DiskTier:
         many were queued."""
         if self.broken is not None:
             return 0
+        started = time.perf_counter()
+        try:
+            return self._save(tokens, cache)
+        finally:
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                self._save_s += elapsed
+
+    def _save(self, tokens: Sequence[int], cache: PromptCache) -> int:
         with self._lock:
             planned = plan_blocks(self.tree, self.identity, tokens)
         queued: list[_Write] = []
@@ -454,6 +464,8 @@ class DiskTier:
                 skipped=self._skipped,
                 evictions=self._evictions,
                 pending=self._pending,
+                save_s=round(self._save_s, 6),
+                writer_cpu_s=round(self._writer_cpu_s, 6),
                 reason=self.broken,
             )
 
@@ -607,15 +619,18 @@ class DiskTier:
                 item = self._queue.get()
                 if item is None:
                     break
+                cpu = time.thread_time()
                 if item == _TOUCH:
                     self._record_uses(store)
-                    continue
-                assert isinstance(item, _Write)
-                with self._io:
-                    written = self._write_guarded(store, item)
-                if written:
-                    self._after_write(store)
-                self._done(item, written)
+                else:
+                    assert isinstance(item, _Write)
+                    with self._io:
+                        written = self._write_guarded(store, item)
+                    if written:
+                        self._after_write(store)
+                    self._done(item, written)
+                with self._lock:
+                    self._writer_cpu_s += time.thread_time() - cpu
             self._record_uses(store)
         except Exception as exc:  # a bug here must not leave saves queued forever
             log.exception("prefix_cache_disk_writer_failed")
