@@ -552,3 +552,67 @@ def test_a_writer_that_cannot_start_stops_the_tier_without_holding_saves(
     assert tier.tier.broken is not None and "index" in tier.tier.broken
     assert tier.tier.save(tokens_of(300), prefill(tiny, tokens_of(300))) == 0
     assert tier.tier.flush(1) and tier.tier.stats().reason == tier.tier.broken
+
+
+# --- what a second review found (each failed before its fix) --------------------------------
+
+
+def test_queued_blocks_survive_another_runners_clear_once_each(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    one, two = open_tier(tiers, tiny, tmp_path), open_tier(tiers, tiny, tmp_path)
+    with one.tier._io:  # the writer waits: the three blocks stay queued
+        one.tier.save(tokens_of(600), prefill(tiny, tokens_of(600)))
+        two.tier.clear()  # the index's generation moves
+        one.tier._refresh()  # rebuilt, with its queued blocks on it again
+        children = [child for block in one.tier.tree.blocks.values()
+                    for group in block.children.values() for child in group]  # fmt: skip
+        assert len(children) == len({id(child) for child in children}) == 2
+    assert one.tier.flush(30) and one.tier.broken is None
+    assert one.tier.stats().entries == 3
+
+
+def test_a_writer_that_fails_holding_a_block_leaves_nothing_pending(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def bug(self: DiskTier, store: BlockStore, write: Any) -> bool:
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(DiskTier, "_write_guarded", bug)
+    tier = open_tier(tiers, tiny, tmp_path)
+    tier.tier.save(tokens_of(300), prefill(tiny, tokens_of(300)))
+    assert tier.tier.flush(10)  # not waiting forever on the block the writer held
+    assert tier.tier.broken is not None and "a bug in the writer" in tier.tier.broken
+    assert tier.tier.stats().pending == 0
+
+
+def test_another_identity_without_an_index_does_not_turn_this_one_off(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    other = tmp_path / ("0" * 32)
+    other.mkdir()
+    (other / "identity.json").write_text("{}")
+    tier = open_tier(tiers, tiny, tmp_path)
+    tier.save(tokens_of(100))
+    assert tier.tier.stats().entries == 1 and other.exists()  # new enough: kept
+
+
+def test_a_block_whose_parent_was_evicted_meanwhile_is_not_recorded(
+    tiny: LoadedModel, tmp_path: Path, tiers: list[Tier]
+) -> None:
+    stages: list[str] = []
+
+    def evict_parent(stage: str) -> None:  # another runner evicts the first block
+        stages.append(stage)
+        if stage == "renamed" and stages.count("renamed") == 2:
+            store = BlockStore(tier.tier.directory / "index.sqlite")
+            (first,) = [b.key for _, b in store.rows() if b.start == 0]
+            store.delete_subtrees([first])
+            store.close()
+
+    tier = open_tier(tiers, tiny, tmp_path, fault=evict_parent)
+    tier.save(tokens_of(300))
+    store = BlockStore(tier.tier.directory / "index.sqlite")
+    assert store.totals()[0] == 0  # no row a runner could never use
+    store.close()
+    assert len(list(tier.tier.blocks_dir.glob("*/*.safetensors"))) == 1  # the parent's, only

@@ -283,10 +283,12 @@ class DiskTier:
         self._save_s = self._writer_cpu_s = 0.0
         self._rejected: Counter[str] = Counter()
         self._refresh()
+        with contextlib.suppress(OSError):
+            (self.directory / "opened").touch()  # in use: another runner's sweep keeps it
         try:
             self._sweep(self._reader)
-        except (OSError, sqlite3.Error) as exc:
-            log.warning("prefix_cache_disk_sweep_failed", error=str(exc))
+        except Exception as exc:
+            log.warning("prefix_cache_disk_sweep_failed", error=f"{type(exc).__name__}: {exc}")
         self._thread = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -393,13 +395,15 @@ class DiskTier:
             return 0
         mx.eval([write.arrays for write in queued])
         with self._lock:
+            if self.broken is not None:  # the writer died meanwhile: nobody would take them
+                return 0
             # Pending blocks: later saves build on them. One whose key came in from
             # another runner meanwhile is not written again.
             queued = [write for write in queued if self.tree.add(write.block)]
             self._pending += len(queued)
             self._pending_bytes += sum(write.nbytes for write in queued)
-        for write in queued:
-            self._queue.put(write)
+            for write in queued:
+                self._queue.put(write)
         return len(queued)
 
     def flush(self, timeout_s: float) -> bool:
@@ -497,6 +501,7 @@ class DiskTier:
                     self.tree.add(block)
             if again:
                 for block in queued:
+                    block.children = {}  # its queued children are added again below it
                     self.tree.add(block)
             self._entries, self._bytes = totals
 
@@ -614,6 +619,7 @@ class DiskTier:
         except Exception as exc:
             self._stop_writing(f"its index cannot be opened: {exc}")
             return
+        held: _Write | None = None  # taken from the queue, not yet done
         try:
             while True:
                 item = self._queue.get()
@@ -624,16 +630,20 @@ class DiskTier:
                     self._record_uses(store)
                 else:
                     assert isinstance(item, _Write)
+                    held = item
                     with self._io:
                         written = self._write_guarded(store, item)
                     if written:
                         self._after_write(store)
+                    held = None
                     self._done(item, written)
                 with self._lock:
                     self._writer_cpu_s += time.thread_time() - cpu
             self._record_uses(store)
         except Exception as exc:  # a bug here must not leave saves queued forever
             log.exception("prefix_cache_disk_writer_failed")
+            if held is not None:
+                self._done(held, written=False)
             self._stop_writing(f"its writer failed: {type(exc).__name__}: {exc}")
         finally:
             with contextlib.suppress(sqlite3.Error):
@@ -641,7 +651,8 @@ class DiskTier:
 
     def _stop_writing(self, why: str) -> None:
         """The writer is gone: no more saves; the queued ones are dropped."""
-        self.broken = why
+        with self._lock:  # a save checks it under the lock before it queues
+            self.broken = why
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -700,7 +711,10 @@ class DiskTier:
             nbytes, checksum = recorded.nbytes, recorded.checksum
         with self._lock:
             block.nbytes, block.checksum, block.last_used = nbytes, checksum, time.time()
-        store.insert(block)
+        if not store.insert(block):  # its parent was evicted meanwhile: useless now
+            if published:
+                final.unlink(missing_ok=True)
+            return False
         self._fault("recorded")
         with self._lock:
             block.written = True
@@ -730,12 +744,14 @@ class DiskTier:
 
     def _done(self, write: _Write, written: bool) -> None:
         with self._lock:
-            # A block that will never be on disk, nor will the ones after it.
-            if not written and self.tree.blocks.get(write.block.key) is write.block:
-                self.tree.remove(write.block.key)
-            self._pending -= 1
-            self._pending_bytes -= write.nbytes
-            self._idle.notify_all()
+            try:
+                # A block that will never be on disk, nor will the ones after it.
+                if not written and self.tree.blocks.get(write.block.key) is write.block:
+                    self.tree.remove(write.block.key)
+            finally:
+                self._pending -= 1
+                self._pending_bytes -= write.nbytes
+                self._idle.notify_all()
 
     def _evict(self, store: BlockStore) -> None:
         """Drop the least recently used blocks that no block follows (the
@@ -778,7 +794,8 @@ class DiskTier:
             if other == self.directory or not (other / "identity.json").is_file():
                 continue
             with contextlib.suppress(OSError):
-                used = max(p.stat().st_mtime for p in other.glob("index.sqlite*"))
+                marks = [*other.glob("index.sqlite*"), other / "identity.json", other / "opened"]
+                used = max((p.stat().st_mtime for p in marks if p.exists()), default=0.0)
                 if used < stale:
                     log.info("prefix_cache_disk_stale_identity_removed", directory=str(other))
                     shutil.rmtree(other, ignore_errors=True)

@@ -133,7 +133,7 @@ class BlockTree:
                 siblings.pop(block.tokens[0], None)
         removed = list(self._subtree(block))
         for gone in removed:
-            del self.blocks[gone.key]
+            self.blocks.pop(gone.key, None)
         return removed
 
     def _subtree(self, block: Block) -> Iterator[Block]:
@@ -261,15 +261,20 @@ class BlockStore:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM blocks WHERE key = ?", (key,)).fetchone()
         return None if row is None else _block(row)[1]
 
-    def insert(self, block: Block) -> None:
-        """Record a block whose file is in place (a known key is kept as it is)."""
+    def insert(self, block: Block) -> bool:
+        """Record a block whose file is in place (a known key is kept as it
+        is); False when its parent is no longer recorded (then nothing is)."""
         now = time.time()
-        self._db.execute(
-            "INSERT OR IGNORE INTO blocks (key, parent, start, tokens, nbytes, checksum, "
-            "last_used, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (block.key, block.parent, block.start, _token_bytes(block.tokens), block.nbytes,
-             block.checksum, block.last_used or now, now),
-        )  # fmt: skip
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR IGNORE INTO blocks (key, parent, start, tokens, nbytes, checksum, "
+                "last_used, created) SELECT ?, ?, ?, ?, ?, ?, ?, ? "
+                "WHERE ? IS NULL OR EXISTS (SELECT 1 FROM blocks WHERE key = ?)",
+                (block.key, block.parent, block.start, _token_bytes(block.tokens), block.nbytes,
+                 block.checksum, block.last_used or now, now, block.parent, block.parent),
+            )  # fmt: skip
+            found = self._db.execute("SELECT 1 FROM blocks WHERE key = ?", (block.key,))
+            return found.fetchone() is not None
 
     def touch(self, used: dict[str, float]) -> None:
         """Record when blocks were last used (never moving a time back)."""
