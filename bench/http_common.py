@@ -141,6 +141,7 @@ def http_chat(
     finish_reason = None
     first_text_at = last_text_at = None
     comments = 0
+    ours: dict[str, Any] | None = None
     extra: dict[str, Any] = {}
     sent_at = time.perf_counter()
     with http.stream("POST", url + CHAT_PATH, json=body) as response:
@@ -160,6 +161,7 @@ def http_chat(
                 if "error" in event:
                     raise RuntimeError(f"{side}: error in the stream: {event['error']}")
                 usage = event.get("usage") or usage
+                ours = event.get("supervisor") or ours  # our finish reason and its detail
                 for choice in event.get("choices", []):
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
@@ -176,6 +178,9 @@ def http_chat(
             choice = whole["choices"][0]
             pieces.append(choice["message"]["content"] or "")
             finish_reason = choice.get("finish_reason")
+            ours = whole.get("supervisor")
+    if ours is not None:  # why a request ended as it did (memory_pressure reads "length")
+        extra["supervisor"] = ours
     ended_at = time.perf_counter()
     if usage is None:
         raise RuntimeError(f"{side}: no usage in the response (stream_options.include_usage)")
