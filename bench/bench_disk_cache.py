@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sqlite3
@@ -309,8 +310,6 @@ def overhead_table(result: dict[str, Any], kv_bytes_per_token: float | None) -> 
 
 
 def kv_bytes_per_token(model: str) -> float | None:
-    import json
-
     model_dir = ensure_builtin_model(model) if model.startswith("builtin:") else Path(model)
     config = json.loads((model_dir / "config.json").read_text())
     heads = config.get("num_key_value_heads") or config.get("num_attention_heads")

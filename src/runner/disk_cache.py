@@ -164,10 +164,6 @@ def _weights_digest(path: Path) -> list[Any]:
     return [path.stat().st_size, header, version]
 
 
-def span(block: Block) -> tuple[int, int]:
-    return block.start, block.end
-
-
 def _version(distribution: str) -> str:
     try:
         return metadata.version(distribution)
@@ -382,9 +378,10 @@ class DiskTier:
             planned = plan_blocks(self.tree, self.identity, tokens)
         queued: list[_Write] = []
         for block in planned:
+            start, end = block.start, block.end
             arrays = {f"{index}.{name}": mx.contiguous(array)
                       for index, layer in enumerate(cache)
-                      for name, array in _layer_arrays(layer, *span(block)).items()}  # fmt: skip
+                      for name, array in _layer_arrays(layer, start, end).items()}  # fmt: skip
             nbytes = sum(int(a.nbytes) for a in arrays.values())
             if self._pending_bytes + sum(w.nbytes for w in queued) + nbytes > MAX_PENDING_BYTES:
                 with self._lock:
@@ -702,13 +699,9 @@ class DiskTier:
             scratch.unlink(missing_ok=True)
         fsync_dir(final.parent)
         self._fault("renamed")
-        if not published:  # another writer's: its row, or a row of its bytes
-            recorded = store.get(block.key)
-            if recorded is None:
-                data = final.read_bytes()
+        if not published:  # the first writer's file stays: its row is of those bytes
+            data = final.read_bytes()
         nbytes, checksum = len(data), hashlib.sha256(data).hexdigest()
-        if not published and recorded is not None:
-            nbytes, checksum = recorded.nbytes, recorded.checksum
         with self._lock:
             block.nbytes, block.checksum, block.last_used = nbytes, checksum, time.time()
         if not store.insert(block):  # its parent was evicted meanwhile: useless now
