@@ -51,22 +51,44 @@ case "$command" in
     exec .venv/bin/mypy
     ;;
   bench)
-    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity] [script args...]
+    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity|blas|dashboard] [script args...]
     ensure_venv
     which=${1:-all}
     shift || true
     if [ "$which" = all ]; then
-      for name in daemon recovery hardening memory engine http real fronts prefill constrained tool_parsers; do
+      for name in daemon recovery hardening memory engine http real fronts prefill constrained tool_parsers dashboard; do
         echo "== bench/bench_$name.py" >&2
         .venv/bin/python "bench/bench_$name.py" "$@"
       done
       exit 0
     fi
     if [ ! -f "bench/bench_$which.py" ]; then
-      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity] [args...]" >&2
+      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity|blas|dashboard] [args...]" >&2
       exit 2
     fi
     exec .venv/bin/python "bench/bench_$which.py" "$@"
+    ;;
+  system)
+    # What some tests need beyond Python packages; they skip, saying so, without it.
+    # Debian/Ubuntu: chromium (the dashboard's browser test, driven by Playwright) and
+    # OpenBLAS (runners' cpu_blas = "auto"). A Mac needs no OpenBLAS (Accelerate); for
+    # the browser test: `brew install --cask chromium` and
+    # MLX_SUPERVISOR_CHROMIUM="/Applications/Chromium.app/Contents/MacOS/Chromium".
+    packages="chromium libopenblas0-pthread"
+    if ! command -v apt-get >/dev/null 2>&1; then
+      echo "run.sh system: no apt-get here; install by hand: $packages" >&2
+      exit 0
+    fi
+    missing=$(for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+    [ -n "$missing" ] || exit 0
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo -n"
+    # shellcheck disable=SC2086
+    if ! { $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing ||
+      { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends $missing; }; } >&2; then
+      echo "run.sh system: could not install $missing; the tests needing them skip" >&2
+    fi
     ;;
   soak)
     ensure_venv

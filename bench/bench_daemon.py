@@ -84,6 +84,7 @@ class Settings:
     per_token_rounds: int = 5  # a fresh worker and a fresh runner each
     per_token_tokens: int = 512  # ~0.5-1 s of decode on builtin:tiny
     per_token_only: bool = False
+    per_token_model: str = PER_TOKEN_MODEL
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -107,7 +108,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "per_token_tokens": args.per_token_tokens,
     }
     fields = {**asdict(base), **{k: v for k, v in overrides.items() if v is not None}}
-    return Settings(**{**fields, "per_token_only": args.per_token_only})
+    return Settings(**{**fields, "per_token_only": args.per_token_only,
+                       "per_token_model": args.per_token_model or PER_TOKEN_MODEL})  # fmt: skip
 
 
 # --- the run -----------------------------------------------------------------
@@ -121,7 +123,9 @@ def run(settings: Settings) -> dict[str, Any]:
     }
     s = settings
     model, ipc_model = s.model, s.ipc_model
-    models = [model] + ([ipc_model] if ipc_model else [])  # PER_TOKEN_MODEL is one of them
+    models = [model] + ([ipc_model] if ipc_model else [])
+    if s.per_token_model not in models:
+        models.append(s.per_token_model)
     paths = {m: model_path(m) for m in models}
     results: dict[str, Any] = {"settings": asdict(s)}
     with (
@@ -134,14 +138,14 @@ def run(settings: Settings) -> dict[str, Any]:
         note(f"daemon pid {daemon.process.pid}")
         if s.per_token_only:
             results["machine"] = {**machine_info(mlx_device()), **at_start}
-            per_token_path = paths[PER_TOKEN_MODEL]
-            results["models"] = {PER_TOKEN_MODEL: model_info(PER_TOKEN_MODEL, per_token_path)}
+            per_token_path = paths[s.per_token_model]
+            results["models"] = {s.per_token_model: model_info(s.per_token_model, per_token_path)}
         else:
             results.update(figures_1_to_4(s, daemon, paths, at_start, stack, tmp))
         note("figure 5: per-token, the CLI streaming vs a fresh in-process stream_generate")
         results["per_token_cli"] = bench_per_token(
-            daemon, paths[PER_TOKEN_MODEL], s.per_token_rounds, s.per_token_tokens,
-            s.warmup_tokens, tmp,
+            daemon, paths[s.per_token_model], s.per_token_rounds, s.per_token_tokens,
+            s.warmup_tokens, tmp, model=s.per_token_model,
         )  # fmt: skip
         results["daemon"]["exit"] = daemon.shutdown()
     results["children_left"] = children_left()
@@ -255,6 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--per-token-only", action="store_true", help="run figure 5 alone (per-token, CLI)"
     )
+    parser.add_argument("--per-token-model", help=f"figure 5's model ({PER_TOKEN_MODEL})")
     return parser.parse_args(argv)
 
 

@@ -127,8 +127,10 @@ def main() -> int:
     print(f"\nFirst token of a {prompt_tokens}-token prompt on {args.model}, "
           f"prefill_stall_s = {args.stall_s:g}")  # fmt: skip
     print(render_table(header, rows))
-    print(f"median ours ÷ in-process: {median_ratio:.3f} (target ≤ {TARGET_RATIO}) "
-          f"{verdict(median_ratio <= TARGET_RATIO)}")
+    print(
+        f"median ours ÷ in-process: {median_ratio:.3f} (target ≤ {TARGET_RATIO}) "
+        f"{verdict(median_ratio <= TARGET_RATIO)}"
+    )
     print(f"runner killed as stalled: {'yes' if killed else 'no'} {verdict(not killed)}")
     write_json({
         "figure": "long prefill, first token: ours ÷ in-process stream_generate",

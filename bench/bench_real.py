@@ -64,6 +64,7 @@ from common import (
     fmt,
     load_average,
     machine_info,
+    mapped_blas,
     mlx_device,
     mlx_lm_server,
     note,
@@ -115,6 +116,8 @@ class Settings:
     clients: tuple[int, ...]
     rounds: int
     concurrent_tokens: int
+    cpu_blas: str = "auto"  # our daemon's cpu_blas (supervisor.runners.blas)
+    theirs_blas: str = "bundled"  # mlx_lm.server's: mlx's own, or "same" as our runner maps
 
 
 # --- waiting for our runner -------------------------------------------------------------
@@ -401,7 +404,7 @@ def run(s: Settings, results: dict[str, Any], save: Callable[[], None]) -> None:
         contextlib.ExitStack() as stack,
     ):
         tmp = Path(tmp_name)
-        daemon = Daemon.start(stack, tmp, "real", "hot_spare = false\n",
+        daemon = Daemon.start(stack, tmp, "real", f'hot_spare = false\ncpu_blas = "{s.cpu_blas}"\n',
                               client_timeout_s=REQUEST_TIMEOUT_S, http="127.0.0.1:0")  # fmt: skip
         ours_url = daemon.client.status().supervisor.http
         if ours_url is None:
@@ -413,9 +416,15 @@ def run(s: Settings, results: dict[str, Any], save: Callable[[], None]) -> None:
         note(f"loading {s.model} ({model_dir}) in our daemon (HTTP {ours_url}) and mlx_lm.server")
         daemon.client.load(s.model, name)
         daemon.settle()
-        with mlx_lm_server(model_dir, tmp / "mlx_lm_server.log") as port:
+        ours_blas = mapped_blas(runner_pid(daemon.client, name))
+        their_env = {}
+        if s.theirs_blas == "same" and ours_blas is not None and "openblas" in ours_blas:
+            their_env = {"LD_PRELOAD": ours_blas}
+        with mlx_lm_server(model_dir, tmp / "mlx_lm_server.log", their_env) as port:
             pids = {"runner": runner_pid(daemon.client, name), "daemon": daemon.process.pid,
                     "server": server_pid(port)}  # fmt: skip
+            results["machine"]["blas"] = {"ours": ours_blas, "theirs": mapped_blas(pids["server"])}
+            note(f"BLAS: ours {ours_blas}, theirs {results['machine']['blas']['theirs']}")
             sides = Sides(ours_url, f"http://127.0.0.1:{port}", daemon.client, name,
                           fresh, fresh, pids)  # fmt: skip
             results["pids"] = pids
@@ -447,6 +456,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds per client count (3; 1 with --quick)")  # fmt: skip
     parser.add_argument("--concurrent-tokens", type=int, default=32)
+    parser.add_argument(
+        "--cpu-blas",
+        default="auto",
+        help="our daemon's cpu_blas: auto (OpenBLAS where found), bundled, a path",
+    )
+    parser.add_argument("--theirs-blas", choices=("bundled", "same"), default="bundled",
+                        help="mlx_lm.server with mlx's bundled BLAS (as installed), or preloaded "
+                             "with the library our runner maps")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     q = args.quick
@@ -459,6 +476,8 @@ def main() -> int:
         clients=tuple(args.clients or ((4,) if q else (4, 8))),
         rounds=args.rounds or (1 if q else 3),
         concurrent_tokens=args.concurrent_tokens,
+        cpu_blas=args.cpu_blas,
+        theirs_blas=args.theirs_blas,
     )
     results: dict[str, Any] = {
         "machine": machine_info(mlx_device()),

@@ -33,6 +33,7 @@ from supervisor.client import Client
 from supervisor.config import SupervisorConfig
 from supervisor.daemon.logs import log_time
 from supervisor.daemon.process import DaemonProcess
+from supervisor.runners.blas import AUTO, runner_blas_env
 from supervisor.system import stop_process
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -183,9 +184,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlx_lm_server(model_dir: Path, log_path: Path) -> Iterator[int]:
+def mlx_lm_server(
+    model_dir: Path, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[int]:
     """``python -m mlx_lm.server --model DIR`` on a free loopback port, with its
-    defaults; yields the port once ``/health`` answers; SIGTERM (then SIGKILL) at exit."""
+    defaults (``env`` added to its environment); yields the port once ``/health``
+    answers; SIGTERM (then SIGKILL) at exit."""
     port = free_port()
     argv = [
         sys.executable,
@@ -204,7 +208,7 @@ def mlx_lm_server(model_dir: Path, log_path: Path) -> Iterator[int]:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -395,6 +399,8 @@ def machine_info(device: str) -> dict[str, Any]:
         "mlx": metadata.version("mlx"),
         "mlx_lm": metadata.version("mlx-lm"),
         "mlx_device": device,
+        # What a runner under the default cpu_blas = "auto" preloads (None: mlx's own).
+        "runner_ld_preload": runner_blas_env(AUTO).get("LD_PRELOAD"),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "loadavg_start": load_average(),
         "git": git_state(),
@@ -419,7 +425,7 @@ WORKER_SCRIPT = BENCH_DIR / "inproc_worker.py"
 class Worker:
     """A ``bench/inproc_worker.py`` child; one JSON request/reply per line."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, cpu_blas: str = AUTO) -> None:
         self._log = log_path.open("a", encoding="utf-8")
         self.process = subprocess.Popen(
             [sys.executable, str(WORKER_SCRIPT)],
@@ -428,6 +434,9 @@ class Worker:
             stderr=self._log,
             text=True,
             encoding="utf-8",
+            # The BLAS a daemon's runner computes with under the same cpu_blas (the
+            # benches' daemons keep the default): both sides multiply alike.
+            env={**os.environ, **runner_blas_env(cpu_blas)},
         )
         self.log_path = log_path
         self.hello = self._read()
@@ -524,3 +533,14 @@ def daemon_generate(client: Client, name: str, prompt: str, max_tokens: int) -> 
         "finish_reason": done.finish_reason,
         "text": "".join(pieces),
     }
+
+
+def mapped_blas(pid: int) -> str | None:
+    """The BLAS a process computes with (an OpenBLAS preloaded over mlx-cpu's
+    bundled reference BLAS wins), from its memory map; None if none is mapped."""
+    try:
+        paths = {m.path for m in psutil.Process(pid).memory_maps()}
+    except (psutil.Error, OSError):
+        return None
+    names = [p for p in paths if os.path.basename(p).startswith(("libblas", "libopenblas"))]
+    return min(names, key=lambda path: "openblas" not in path, default=None)

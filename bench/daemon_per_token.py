@@ -110,6 +110,7 @@ def bench_per_token(
     warmup_tokens: int,
     tmp: Path,
     pairs: int = PER_TOKEN_PAIRS,
+    model: str = PER_TOKEN_MODEL,
 ) -> dict[str, Any]:
     """Per round, on builtin:tiny: a fresh runner through the daemon and a fresh
     ``inproc_worker.py`` (a process keeps its own decode speed for its lifetime), both
@@ -122,7 +123,7 @@ def bench_per_token(
     tok/s), so one long sample per side and round can land in different phases; a
     round's ratio is the median of its pairs' ratios, each pair measured back to back.
     """
-    model, name, client = PER_TOKEN_MODEL, short(PER_TOKEN_MODEL), d.client
+    name, client = short(model), d.client
 
     def run_daemon(index: int, pair: int) -> dict[str, Any]:
         log_path = tmp / f"per-token-cli-{index}-{pair}.log"

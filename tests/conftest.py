@@ -19,6 +19,7 @@ from runner.builtin import ensure_builtin_model
 from supervisor.client import Client
 from supervisor.config import HTTP_ENV, KV_CACHE_DIR_ENV
 from supervisor.daemon.process import DaemonProcess
+from supervisor.runners.blas import BUNDLED, CPU_BLAS_ENV
 from supervisor.system import stop_process
 
 REAP_TIMEOUT_S = 5.0
@@ -67,6 +68,9 @@ def isolated_xdg(
     # on disk go elsewhere, so no test reads another's.
     monkeypatch.setenv(KV_CACHE_DIR_ENV, str(xdg / "kv"))
     monkeypatch.delenv("MLX_SUPERVISOR_SOCKET", raising=False)
+    # Runners compute with mlx's own BLAS, as the in-process mlx-lm runs their
+    # greedy tokens are compared with (test_cpu_blas.py lifts this).
+    monkeypatch.setenv(CPU_BLAS_ENV, BUNDLED)
     # No fixed HTTP port shared by daemons in parallel: tests that want HTTP ask for port 0.
     monkeypatch.setenv(HTTP_ENV, "off")
     yield

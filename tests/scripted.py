@@ -61,6 +61,7 @@ class ScriptedEntry:
     name = "tiny"
     state = "ready"
     active_requests = 0
+    max_tokens_cap = None  # the daemon's max_tokens, as for a runner loaded with none of its own
 
     def __init__(self) -> None:
         self.spec = SimpleNamespace(max_tokens=None, keep_alive_s=None, pinned=False)
@@ -98,7 +99,13 @@ class ScriptedRegistry:
         return self.entry
 
     async def generate(
-        self, request: GenerateRequest, emit: Any, cancel: anyio.Event, on_queued: Any = None
+        self,
+        request: GenerateRequest,
+        emit: Any,
+        cancel: anyio.Event,
+        on_queued: Any = None,
+        *,
+        front: str = "socket",
     ) -> None:
         self.requests.append(request)
         for frame in self.frames:

@@ -66,6 +66,20 @@ def test_chat_keeps_the_history_and_the_cache_serves_it(
     assert cache is not None and cache.hits >= 1  # turn 2 resent turn 1: a prefix hit
 
 
+def test_chat_without_flags_takes_the_models_configured_defaults(
+    start_daemon: DaemonFactory,
+) -> None:
+    config = 'hot_spare = false\n[[models]]\nname = "tiny"\nmodel = "builtin:tiny"\n'
+    daemon = start_daemon(config + "default_max_tokens = 5\n")
+    Client(daemon.socket_path).load("builtin:tiny")
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "chat", "tiny", "--socket", str(daemon.socket_path)],
+        input="hello there\n/bye\n", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "[answer cut at 5 tokens: --max-tokens]" in done.stdout.splitlines(), done.stdout
+
+
 def test_chat_shows_a_thinking_models_thought_before_its_answer(
     daemon: DaemonProcess, client: Client
 ) -> None:

@@ -71,6 +71,14 @@ def test_wrong_type_and_bad_toml_are_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml")
 
 
+def test_a_config_that_is_not_utf8_is_an_error_saying_so(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"max_queue = 5\n# caf\xe9 in Latin-1\n")
+    with pytest.raises(ConfigError, match="not UTF-8") as excinfo:
+        load_config(path)
+    assert str(path) in str(excinfo.value) and excinfo.value.key is None
+
+
 def test_repeated_model_names_are_an_error(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     model = '[[models]]\nname = "a"\nmodel = "builtin:tiny"\n'
@@ -257,3 +265,116 @@ def test_a_load_request_s_kv_settings_win_over_the_config_s_and_reach_the_engine
         with pytest.raises(RequestError, match="kv_") as excinfo:
             merge_spec(config, LoadRequest(model="builtin:tiny", **bad))
         assert excinfo.value.code == "bad_request"
+
+
+# --- aliases, request defaults, and errors that name the key (issue 27) --------------
+
+
+def test_aliases_are_names_of_the_model_everywhere_a_name_is(tmp_path: Path) -> None:
+    config = load_config(model_table(tmp_path / "c.toml", 'aliases = ["fast", "q-chat"]'))
+    (spec,) = config.models
+    assert spec.names == ["q", "fast", "q-chat"]
+    assert config.model_config("fast") is spec and config.model_config("q") is spec
+    assert config.model_config("slow") is None
+    loaded = merge_spec(config, LoadRequest(model="builtin:tiny", name="fast"))
+    assert loaded.name == "q" and loaded.aliases == ["fast", "q-chat"]  # under its own name
+
+
+@pytest.mark.parametrize(
+    ("tables", "key", "expected"),
+    [
+        ('name = "q"\nmodel = "m"\naliases = ["a/b"]', "models[0].aliases", "hold no '/'"),
+        ('name = "q"\nmodel = "m"\naliases = ["q"]', "models[0].aliases", "repeats"),
+        ('name = "q"\nmodel = "m"\naliases = ["x", "x"]', "models[0].aliases", "repeats"),
+        ('name = "q"\nmodel = "m"\naliases = [""]', "models[0].aliases", "must not be empty"),
+        ('name = "q"\nmodel = "m"\naliases = ["r"]\n[[models]]\nname = "r"\nmodel = "m"',
+         "models", "names or aliases repeated: r"),
+        ('name = "q"\nmodel = "m"\naliases = ["x"]\n[[models]]\nname = "r"\nmodel = "m"\n'
+         'aliases = ["x"]', "models", "repeated: x"),
+    ],
+)  # fmt: skip
+def test_bad_aliases_are_errors_naming_the_key(
+    tmp_path: Path, tables: str, key: str, expected: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[[models]]\n{tables}\n")
+    with pytest.raises(ConfigError, match=expected) as excinfo:
+        load_config(path)
+    assert excinfo.value.key == key
+
+
+def test_request_defaults_are_model_keys_with_their_ranges(tmp_path: Path) -> None:
+    extra = ('temperature = 0.7\ntop_p = 0.9\ntop_k = 40\nmin_p = 0.05\n'
+             'repetition_penalty = 1.1\npresence_penalty = -0.5\nfrequency_penalty = 0.5\n'
+             'seed = 42\nmax_tokens = 2048\ndefault_max_tokens = 512\n'
+             'system_prompt = "You are terse."')  # fmt: skip
+    (spec,) = load_config(model_table(tmp_path / "c.toml", extra)).models
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p) == (0.7, 0.9, 40, 0.05)
+    assert (spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty) == (
+        1.1, -0.5, 0.5,
+    )  # fmt: skip
+    assert (spec.seed, spec.default_max_tokens, spec.system_prompt) == (42, 512, "You are terse.")
+    # A load by name takes them with the rest of the model's settings.
+    merged = merge_spec(load_config(tmp_path / "c.toml"), LoadRequest(model="builtin:tiny",
+                                                                     name="q"))  # fmt: skip
+    assert merged.system_prompt == "You are terse." and merged.temperature == 0.7
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "expected"),
+    [
+        ("temperature = -0.1", "models[0].temperature", ">= 0"),
+        ("top_p = 1.5", "models[0].top_p", "<= 1.0"),
+        ("top_k = -1", "models[0].top_k", ">= 0"),
+        ("min_p = 2", "models[0].min_p", "<= 1"),
+        ("repetition_penalty = 0", "models[0].repetition_penalty", "> 0"),
+        ("presence_penalty = 3", "models[0].presence_penalty", "<= 2"),
+        ("frequency_penalty = -3", "models[0].frequency_penalty", ">= -2"),
+        ("seed = -1", "models[0].seed", ">= 0"),
+        ('seed = "7"', "models[0].seed", "Expected `int | null`"),
+        ("default_max_tokens = 0", "models[0].default_max_tokens", ">= 1"),
+        ("max_tokens = 100\ndefault_max_tokens = 101", "models[0].default_max_tokens",
+         "101 is above the model's cap max_tokens = 100"),
+        ("default_max_tokens = 5000", "models[0].default_max_tokens", "cap max_tokens = 4096"),
+        ('system_prompt = ""', "models[0].system_prompt", "length >= 1"),
+        ("system_promt = 'x'", "models[0].system_promt", "unknown field"),
+    ],
+)  # fmt: skip
+def test_bad_request_defaults_are_errors_naming_the_key(
+    tmp_path: Path, extra: str, key: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected) as excinfo:
+        load_config(model_table(tmp_path / "c.toml", extra))
+    assert excinfo.value.key == key
+
+
+def test_config_errors_name_their_key_and_toml_errors_their_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    for text, key in (("bogus = 1\n", "bogus"), ("max_queue = -1\n", "max_queue"),
+                      ('http_listen = "nowhere"\n', "http_listen"),
+                      ("[[models]]\nname = 1\n", "models[0].name")):  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ConfigError) as excinfo:
+            load_config(path)
+        assert excinfo.value.key == key, text
+    path.write_text("max_queue = \n")
+    with pytest.raises(ConfigError, match="line 1") as excinfo:
+        load_config(path)
+    assert excinfo.value.key is None
+
+
+def test_shipped_config_commented_request_defaults_are_valid(tmp_path: Path) -> None:
+    text = (CONFIGS / "mlx-supervisor.toml").read_text().replace("# [[models]]", "[[models]]")
+    keys = ("name", "model", "max_tokens", "aliases", "temperature", "top_p", "top_k", "min_p",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+            "default_max_tokens", "system_prompt")  # fmt: skip
+    for key in keys:
+        assert text.count(f"# {key} ") == 1, key
+        text = text.replace(f"# {key} ", f"{key} ")
+    path = tmp_path / "shipped.toml"
+    path.write_text(text)
+    (model,) = load_config(path).models
+    assert model.aliases == ["qwen3", "small"] and model.names[0] == "qwen"
+    assert (model.temperature, model.top_p, model.seed) == (0.7, 0.9, 42)
+    assert model.default_max_tokens == 1024 and model.max_tokens == 4096
+    assert model.system_prompt == "You are a concise assistant."

@@ -343,6 +343,19 @@ def test_a_hostfile_that_cannot_serve_is_refused_at_load(tmp_path: Path) -> None
         group_places(ModelConfig(name="m", model="x", hostfile=str(tmp_path / "none.json")))
 
 
+def test_a_hostfile_that_is_no_small_regular_file_is_refused_unread(tmp_path: Path) -> None:
+    """A FIFO would block whoever opens it, a device or a huge file eat memory."""
+    fifo = tmp_path / "hosts.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as f:
+        f.truncate(10 << 20)  # sparse: no disk
+    for path, words in ((fifo, "not a regular file"), (Path("/dev/zero"), "not a regular file"),
+                        (huge, "over")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            group_places(ModelConfig(name="m", model="builtin:tiny", hostfile=str(path)))
+
+
 def test_estimate_says_what_one_rank_holds() -> None:
     def total(*extra: str) -> int:
         done = subprocess.run(

@@ -39,13 +39,16 @@ def start(start_daemon: DaemonFactory, config: str) -> tuple[DaemonProcess, Clie
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    """One sample of /metrics, parsed with prometheus_client's parser (0 if absent)."""
+    """The samples ``name`` of /metrics with these labels, parsed with
+    prometheus_client's parser, summed over the labels not given (a request's
+    front, say); 0 if absent."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def clients(url: str) -> tuple[openai.OpenAI, anthropic.Anthropic, ollama.Client]:

@@ -173,7 +173,7 @@ def test_sighup_to_the_daemons_process_group_does_not_reach_runners(
     client = Client(daemon.socket_path, timeout_s=60)
     loaded = client.load("builtin:tiny")
     os.killpg(daemon.pid, signal.SIGHUP)  # what closing the terminal of `serve &` does
-    daemon.wait_until(lambda: bool(daemon.events("sighup_ignored")))
+    daemon.wait_until(lambda: bool(daemon.events("config_reload_refused")))  # no config file
     text, _ = client.generate_text("tiny", PROMPT, max_tokens=4)
     info = runner(client, "tiny")
     assert text and info.pid == loaded.pid and info.restarts == 0 and info.last_exit is None

@@ -96,13 +96,16 @@ def receive_once(body: bytes) -> Callable[[], Awaitable[dict[str, Any]]]:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    """One sample of /metrics, parsed with prometheus_client's parser (0 if absent)."""
+    """The samples ``name`` of /metrics with these labels, parsed with
+    prometheus_client's parser, summed over the labels not given (a request's
+    front, say); 0 if absent."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -293,9 +296,9 @@ def test_api_key_is_required_when_configured_and_signals_still_work(
     assert openai_client(url, "sekrit").models.list().data == []
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # probes need no key
 
-    # uvicorn took none of the daemon's signals: SIGHUP is ignored, SIGINT stops it.
+    # uvicorn took none of the daemon's signals: SIGHUP reloads the config, SIGINT stops it.
     daemon.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
-    daemon.wait_until(lambda: bool(daemon.events("sighup_ignored")), timeout_s=10)
+    daemon.wait_until(lambda: bool(daemon.events("config_reloaded")), timeout_s=10)
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     daemon.process.send_signal(signal.SIGINT)  # type: ignore[union-attr]
     assert daemon.wait(30) == 0
@@ -464,7 +467,7 @@ async def test_a_request_waits_for_a_stopped_model_until_the_registry_forgets_it
                                last_exit=None, stopped=anyio.Event(),
                                forgotten=anyio.Event())  # fmt: skip
     stopping.stopped.set()
-    again = SimpleNamespace(name="tiny", state="ready", spec=spec)
+    again = SimpleNamespace(name="tiny", state="ready", spec=spec, max_tokens_cap=None)
     sent: list[dict[str, Any]] = []
 
     class UnloadingRegistry:
@@ -476,7 +479,7 @@ async def test_a_request_waits_for_a_stopped_model_until_the_registry_forgets_it
             return self.entries.get(ref, again)
 
         async def generate(self, request: GenerateRequest, emit: Any, cancel: anyio.Event,
-                           on_queued: Any = None) -> None:  # fmt: skip
+                           on_queued: Any = None, *, front: str = "socket") -> None:  # fmt: skip
             assert request.name == "tiny"
             await emit(TextChunk(request_id=1, text="hi", generation_tokens=1), None)
             done = GenerationDone(request_id=1, prompt_tokens=2, generation_tokens=1,
@@ -580,10 +583,10 @@ def test_a_generation_cut_at_its_first_tool_call_counts_as_ok() -> None:
     ended = GenerationDone(request_id=1, prompt_tokens=2, generation_tokens=9, prompt_tps=1.0,
                            generation_tps=1.0, ttft_s=0.1, peak_memory_bytes=0,
                            finish_reason="cancelled")  # fmt: skip
-    cut = metrics.request("tiny")
+    cut = metrics.request("tiny", "openai")
     cut.observe(TextChunk(request_id=1, text="", generation_tokens=8, tool_calls=[call]))
     cut.observe(ended)
-    left = metrics.request("tiny")
+    left = metrics.request("tiny", "openai")
     left.observe(TextChunk(request_id=1, text="", generation_tokens=8, reasoning="Hmm"))
     left.observe(ended)
 
@@ -592,9 +595,8 @@ def test_a_generation_cut_at_its_first_tool_call_counts_as_ok() -> None:
             f"mlx_supervisor_{name}", {"model": "tiny", **labels}
         )
 
-    assert (
-        sample("requests_total", outcome="ok") == sample("requests_total", outcome="cancelled") == 1
-    )
+    ok = sample("requests_total", front="openai", outcome="ok")
+    assert ok == sample("requests_total", front="openai", outcome="cancelled") == 1
     assert sample("time_to_first_token_seconds_count") == 2  # a call, a thought: first outputs
 
 

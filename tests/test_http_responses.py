@@ -379,8 +379,10 @@ async def test_the_stream_helper_rebuilds_the_whole_response() -> None:
 class FailingRegistry(ScriptedRegistry):
     """The runner dies after its first frame."""
 
-    async def generate(self, request: Any, emit: Any, cancel: Any, on_queued: Any = None) -> None:
-        await super().generate(request, emit, cancel, on_queued)
+    async def generate(
+        self, request: Any, emit: Any, cancel: Any, on_queued: Any = None, *, front: str = "socket"
+    ) -> None:
+        await super().generate(request, emit, cancel, on_queued, front=front)
         raise RequestError("runner_died", "the runner died (SIGKILL)")
 
 

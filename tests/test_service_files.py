@@ -376,3 +376,9 @@ def test_install_hints() -> None:
     systemd = install_hint("systemd")
     assert "systemctl --user daemon-reload" in systemd
     assert "systemctl --user enable --now mlx-supervisor" in systemd
+
+
+def test_systemd_reload_sends_sighup_to_the_daemon(tmp_path: Path) -> None:
+    # `systemctl --user reload mlx-supervisor`: the daemon reads its config again (SIGHUP).
+    unit = render_unit(command=COMMAND, socket_path=tmp_path / "s", config_path=tmp_path / "c")
+    assert unit_value(unit, "Service", "ExecReload") == "kill -HUP $MAINPID"

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -340,7 +340,12 @@ class StatusRequest(msgspec.Struct, tag="status"):
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):
-    """Exactly one of ``prompt`` and ``messages`` is set."""
+    """Exactly one of ``prompt`` and ``messages`` is set.
+
+    ``sampling_given`` names the sampling fields the client chose; the
+    model's configured defaults (its ``temperature``, ``default_max_tokens``,
+    ...) fill in the others. None (a client that does not say): a field that
+    differs from :class:`SamplingParams`' default counts as chosen."""
 
     name: str
     prompt: str | None = None
@@ -348,6 +353,7 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     sampling: SamplingParams = SamplingParams()
     cache: bool = True  # False: neither use nor fill the prefix cache
     chat: ChatOptions = ChatOptions()
+    sampling_given: tuple[str, ...] | None = None
 
 
 class CacheClearRequest(msgspec.Struct, tag="cache_clear"):
@@ -366,6 +372,10 @@ class ShutdownRequest(msgspec.Struct, tag="shutdown"):
     """Stop every runner (escalating) and exit the daemon."""
 
 
+class ReloadRequest(msgspec.Struct, tag="reload"):
+    """Read the daemon's config file again and apply it (:class:`ReloadReply`)."""
+
+
 ClientMessage = (
     LoadRequest
     | UnloadRequest
@@ -374,6 +384,7 @@ ClientMessage = (
     | CancelRequest
     | ShutdownRequest
     | CacheClearRequest
+    | ReloadRequest
 )
 
 # --- supervisor -> client ----------------------------------------------------
@@ -530,6 +541,49 @@ class ShutdownAck(msgspec.Struct, tag="shutdown_ack"):
     runners: int
 
 
+class ModelChange(msgspec.Struct):
+    """What a reload changed in one configured model: the keys that apply to
+    its next request at once (``now``: sampling defaults, system prompt,
+    aliases, keep-alive, pin, restart strategy), and those that wait for its
+    next load (``next_load``: what shapes its runner, as kv_bits, the model
+    reference, context_tokens, max_tokens, max_concurrent, env). A model not
+    loaded (``loaded`` false) takes every change at its next load, which is
+    its next request's: all its keys are in ``now``."""
+
+    name: str
+    loaded: bool
+    now: list[str] = []
+    next_load: list[str] = []
+
+
+class ReloadReply(msgspec.Struct, tag="reload_reply"):
+    """The outcome of a reload of the config file at ``path``.
+
+    Refused (``ok`` false): ``error`` says why and ``key`` names the key at
+    fault when there is one (``models[1].temperature``); nothing changed.
+    Applied: ``added`` models may be used now (``preloading``: those loading
+    because of ``preload``); ``removed`` ones take no new request, and are
+    ``unloaded`` at once when idle, else (``unloading``) once their requests
+    end; ``changed`` says per model which keys apply now and which at its
+    next load. Daemon-level keys that changed: ``daemon_now`` (applied),
+    ``daemon_next_load`` (each model's next load takes them) and
+    ``needs_restart`` (not applied: the socket, the HTTP front, ...)."""
+
+    ok: bool
+    path: str | None = None
+    error: str | None = None
+    key: str | None = None
+    added: list[str] = []
+    preloading: list[str] = []
+    removed: list[str] = []
+    unloaded: list[str] = []
+    unloading: list[str] = []
+    changed: list[ModelChange] = []
+    daemon_now: list[str] = []
+    daemon_next_load: list[str] = []
+    needs_restart: list[str] = []
+
+
 class CacheCleared(msgspec.Struct, tag="cache_cleared"):
     """Runner -> supervisor -> client: the prefix cache was dropped
     (``entries`` and ``bytes`` in RAM, ``disk_entries`` and ``disk_bytes``
@@ -600,6 +654,7 @@ ServerMessage = (
     | ShutdownAck
     | ErrorReply
     | CacheCleared
+    | ReloadReply
 )
 
 # --- supervisor -> runner ----------------------------------------------------

@@ -456,6 +456,20 @@ def take_environment(channel: BlockingChannel[RunnerCommand]) -> None:
     os.environ.update(first.env)
 
 
+def mapped_blas() -> str | None:
+    """The BLAS library mapped into this process (mlx's bundled reference BLAS,
+    or one the supervisor preloaded: supervisor.runners.blas), from
+    /proc/self/maps; None where there is no such file (macOS) or no BLAS."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    # numpy's own copy (libscipy_openblas64_) has prefixed symbols: never mlx's.
+    names = [p for p in paths if os.path.basename(p).startswith(("libblas", "libopenblas"))]
+    return min(names, key=lambda path: "openblas" not in path, default=None)  # a preload wins
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of ``python -m runner``."""
     args = parse_args(argv)
@@ -497,7 +511,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     mx.eval(mx.zeros((1,)))  # the device set up, as a model's first evaluation would
     import_s = time.perf_counter() - started
-    log.info("runner_started", import_s=round(import_s, 3))
+    log.info("runner_started", import_s=round(import_s, 3), blas=mapped_blas())
     machine = psutil.virtual_memory()
     runner.guard.refresh()
     rss = psutil.Process().memory_info().rss

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -56,7 +57,30 @@ prefix_cache_dir is unset (the tests point it at a directory of their own)."""
 
 
 class ConfigError(Exception):
-    """The config file is unreadable or invalid; the message says where."""
+    """The config file is unreadable or invalid; the message says where, and
+    ``key`` names the offending key when there is one (``models[0].temperature``)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+_ERROR_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.DOTALL)
+_UNKNOWN_FIELD = re.compile(r"unknown field `(?P<field>[^`]*)`")
+
+
+def error_key(message: str) -> str | None:
+    """The key a msgspec validation error is about, from its message:
+    ``Expected ... - at `$.models[0].top_p``` gives ``models[0].top_p``; an
+    unknown field gives its own path (``models[0].foo``); None when the
+    message names no key (a TOML syntax error says its line instead)."""
+    match = _ERROR_PATH.match(message)
+    path = (match.group("path") or "") if match else ""
+    unknown = _UNKNOWN_FIELD.search(message)
+    if unknown:
+        field = unknown.group("field")
+        return f"{path}.{field}" if path else field
+    return path or None
 
 
 def parse_listen(value: str) -> tuple[str, int] | None:
@@ -130,6 +154,38 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the others through ssh_command.
     hostfile: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     distributed_backend: Literal["ring"] = "ring"
+    # More names for this model: a request, a load or an unload may use any of
+    # them; each is checked as a name, and no name or alias may repeat.
+    aliases: list[str] = []
+    # Defaults for requests that do not set their own (None: the API's own
+    # default); a reload applies them to the next request at once.
+    temperature: Annotated[float, Meta(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=1_000_000)] | None = None  # 0: off
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=10)] | None = None  # 1: off
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    # A fixed seed makes sampled answers repeatable; a seeded request is
+    # served alone, not batched with others.
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    default_max_tokens: Positive | None = None  # a request's length when it gives none
+    # Prepended as a system message to a chat whose messages have none (never
+    # to a raw prompt).
+    system_prompt: Annotated[str, Meta(min_length=1, max_length=100_000)] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """The model's name, then its aliases."""
+        return [self.name, *self.aliases]
+
+
+SAMPLING_DEFAULTS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed",
+)  # fmt: skip
+"""The sampling parameters a model's config may give defaults for (besides
+``default_max_tokens``), named as in :class:`ipc.messages.SamplingParams`."""
 
 
 def spec_problem(spec: ModelConfig, *, places: bool = True) -> str | None:
@@ -146,6 +202,12 @@ def spec_problem(spec: ModelConfig, *, places: bool = True) -> str | None:
     )
     if problem:
         return problem
+    for alias in spec.aliases:
+        problem = model_name_problem(alias)
+        if problem:
+            return f"aliases: {problem}"
+    if spec.name in spec.aliases or len(set(spec.aliases)) < len(spec.aliases):
+        return "aliases: a name or alias repeats"
     if spec.kv_bits is not None and is_group(spec):
         return "kv_bits with a distributed group (ranks, hostfile): not yet"
     if not places:
@@ -203,6 +265,9 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # the OpenAI-compatible HTTP front (README: "Using it from OpenAI clients")
     http_listen: str = DEFAULT_HTTP_LISTEN  # HOST:PORT, or "off"; checked by parse_listen
     api_key: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None  # Bearer token
+    # The management API's key (/admin/*): when set, only it opens those routes
+    # (api_key does not); unset: they take api_key like every other route.
+    admin_api_key: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     load_on_demand: bool | Literal["any"] = True  # configured models; "any": any reference
     # Web pages (origins) whose scripts may call the HTTP front, as Ollama's OLLAMA_ORIGINS:
     # none by default; ["http://localhost:3000"] for a chat UI served there, ["*"] for any.
@@ -247,6 +312,10 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prefill_chunk_s: Annotated[float, Meta(ge=0.05, le=60)] = 1.0
     # process management
     hot_spare: bool = True
+    # The BLAS a local runner's mlx uses on a Linux CPU: "auto" (OpenBLAS where
+    # mlx-cpu bundles the reference BLAS and OpenBLAS is installed), "bundled",
+    # or the absolute path of a library to preload (supervisor.runners.blas).
+    cpu_blas: Annotated[str, Meta(pattern=r"^(auto|bundled|/.+)$", max_length=4096)] = "auto"
     restore_on_start: bool = True
     models: list[ModelConfig] = []
 
@@ -256,8 +325,11 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         return self.ping_timeout_s / 4
 
     def model_config(self, name: str) -> ModelConfig | None:
-        """The configured settings for the model called ``name``, if any."""
-        return next((m for m in self.models if m.name == name), None)
+        """The configured settings for the model called ``name`` (its name or
+        one of its aliases), if any."""
+        return next((m for m in self.models if m.name == name), None) or next(
+            (m for m in self.models if name in m.aliases), None
+        )
 
 
 def kv_cache_dir(config: SupervisorConfig) -> Path:
@@ -298,7 +370,8 @@ def load_config(path: Path | None) -> SupervisorConfig:
     """Read ``path`` (or return the defaults when it is None).
 
     Raises:
-        ConfigError: the file is missing, not TOML, or has a bad or unknown key.
+        ConfigError: the file is missing, not UTF-8, not TOML, or has a bad
+            or unknown key.
     """
     if path is None:
         return SupervisorConfig()
@@ -309,20 +382,36 @@ def load_config(path: Path | None) -> SupervisorConfig:
     try:
         config = msgspec.toml.decode(data, type=SupervisorConfig)
     except msgspec.DecodeError as exc:
-        raise ConfigError(f"invalid config {path}: {exc}") from exc
-    for model in config.models:
-        problem = spec_problem(model)
+        raise ConfigError(f"invalid config {path}: {exc}", error_key(str(exc))) from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(f"invalid config {path}: not UTF-8 (byte {exc.start}: "
+                          f"{exc.reason})") from exc  # fmt: skip
+    for index, model in enumerate(config.models):
+        problem = spec_problem(model) or max_tokens_problem(model, config)
         if problem:
-            raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {problem}")
-    names = [m.name for m in config.models]
+            field = problem.partition(":")[0]  # "aliases: ..." is about that key
+            key = f"models[{index}]" + (f".{field}" if field in ModelConfig.__struct_fields__
+                                        else "")  # fmt: skip
+            raise ConfigError(f"invalid config {path}: [[models]] {model.name!r}: {problem}", key)
+    names = [name for m in config.models for name in m.names]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ConfigError(f"invalid config {path}: model names repeated: {', '.join(duplicates)}")
+        raise ConfigError(f"invalid config {path}: model names or aliases repeated: "
+                          f"{', '.join(duplicates)}", "models")  # fmt: skip
     try:
         parse_listen(config.http_listen)
     except ValueError as exc:
-        raise ConfigError(f"invalid config {path}: http_listen: {exc}") from None
+        raise ConfigError(f"invalid config {path}: http_listen: {exc}", "http_listen") from None
     problem = exposure_problem(config)
     if problem:
-        raise ConfigError(f"invalid config {path}: {problem}")
+        raise ConfigError(f"invalid config {path}: {problem}", "http_listen")
     return config
+
+
+def max_tokens_problem(spec: ModelConfig, config: SupervisorConfig) -> str | None:
+    """Why the model's ``default_max_tokens`` is refused (above its cap), or None."""
+    cap = spec.max_tokens or config.max_tokens
+    if spec.default_max_tokens is not None and spec.default_max_tokens > cap:
+        return (f"default_max_tokens: {spec.default_max_tokens} is above the model's cap "
+                f"max_tokens = {cap}")  # fmt: skip
+    return None

@@ -1,9 +1,16 @@
 """The daemon's Prometheus metrics, in a CollectorRegistry of its own.
 
 Requests are recorded where every request passes, the registry's generate
-path, so the socket and the HTTP front count alike. Gauges (model states,
-memory, queue depth) and the registry's event counters are read from the
+path, so every front counts alike; each request carries the name of the
+front it came in by. What happens to models (deaths by cause class,
+evictions, admission refusals) is recorded where the registry decides it,
+per model, since the daemon's status keeps those only summed. Gauges (model
+states, memory, queue depth) and the counters the status already has (the
+registry's, restarts, the runners' prefix caches) are read from the
 daemon's status when scraped, never kept twice.
+
+Names follow Prometheus' conventions: base units in the name (``_seconds``,
+``_bytes``), counters end in ``_total`` (the client library adds it).
 """
 
 from __future__ import annotations
@@ -11,32 +18,59 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import get_args
+from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ipc.messages import GenerationDone, RunnerState, StatusReply, TextChunk
+from ipc.messages import (
+    CauseClass,
+    GenerationDone,
+    RunnerInfo,
+    RunnerState,
+    StatusReply,
+    TextChunk,
+)
 from supervisor.system import process_rss
 
 PREFIX = "mlx_supervisor"
 UNKNOWN_MODEL = "(unknown)"  # requests naming no model we have: never a client's string
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 RUNNER_STATES: tuple[RunnerState, ...] = get_args(RunnerState)
 OK_FINISHES = frozenset({"stop", "length", "tool_calls"})  # a whole answer, as the model ended it
 
+Front = Literal["socket", "openai", "anthropic", "responses", "ollama"]
+"""Where a request came in: the control socket (CLI, Python client) or an API
+of the HTTP front (OpenAI's chat and text completions are both ``openai``,
+Ollama's chat and generate both ``ollama``)."""
+
+DEATH_CLASSES: tuple[CauseClass, ...] = tuple(c for c in get_args(CauseClass) if c != "requested")
+"""The cause classes a death can have (an exit we asked for is no death)."""
+
 
 class Metrics:
-    """Request counters and the time-to-first-token histogram, plus the
-    collector that turns the daemon's status into gauges at scrape time."""
+    """Request counters and latency histograms, what happened to each model,
+    plus the collector that turns the daemon's status into gauges at scrape
+    time."""
 
     def __init__(self) -> None:
+        # A `_created` gauge beside every counter and histogram doubles the
+        # series for a timestamp no dashboard reads.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped upstream
         self.registry = CollectorRegistry()
         self.requests = Counter(
             f"{PREFIX}_requests",
-            "Generate requests by how they ended: ok (tool calls included), cancelled, "
+            "Generate requests by the front they came in by (socket, openai, anthropic, "
+            "responses, ollama) and how they ended: ok (tool calls included), cancelled, "
             "memory_pressure, or the error code.",
-            ["model", "outcome"],
+            ["model", "front", "outcome"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
@@ -60,16 +94,73 @@ class Metrics:
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time per generated token after a request's first frame of tokens, as the "
+            "registry relays the frames. The runner sends a frame at most every "
+            "stream_interval_ms (and a client that reads slowly gets the frames that piled "
+            "up as one), so a frame's gap since the previous one is divided evenly among the "
+            "tokens it brings and observed once per token: the count is those tokens, the "
+            "sum their time (sum/count is the exact mean), but the spread within one frame "
+            "is not seen.",
+            ["model"],
+            buckets=ITL_BUCKETS_S,
+            registry=self.registry,
+        )
         self.http_requests = Counter(
             f"{PREFIX}_http_requests",
             "HTTP requests by route and status code.",
             ["route", "status"],
             registry=self.registry,
         )
+        self.deaths = Counter(
+            f"{PREFIX}_runner_deaths",
+            "Deaths of each model's runner that no one asked for, by cause class (the "
+            "first load's included); since the daemon started.",
+            ["model", "cause_class"],
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            f"{PREFIX}_model_evictions",
+            "Times admission unloaded the model to make room for another; since the daemon "
+            "started.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.admission_refusals = Counter(
+            f"{PREFIX}_model_admission_refusals",
+            "Runners of the model admission refused (not enough memory, or max_loaded_models "
+            "with nothing idle to unload); since the daemon started.",
+            ["model"],
+            registry=self.registry,
+        )
 
-    def request(self, model: str | None) -> RequestRecord:
-        """Start recording one generate request to ``model`` (None: no such model)."""
-        return RequestRecord(self, model or UNKNOWN_MODEL)
+    def request(self, model: str | None, front: Front) -> RequestRecord:
+        """Start recording one generate request to ``model`` (None: no such
+        model) that came in by ``front``."""
+        return RequestRecord(self, model or UNKNOWN_MODEL, front)
+
+    def model_seen(self, model: str) -> None:
+        """A runner of ``model`` goes to admission: its per-model counters
+        show from now on, at 0 until something happens (Prometheus' advice:
+        a series that appears only with its first event hides that event
+        from ``increase()``)."""
+        self.evictions.labels(model)
+        self.admission_refusals.labels(model)
+        for cause_class in DEATH_CLASSES:
+            self.deaths.labels(model, cause_class)
+
+    def runner_died(self, model: str, cause_class: CauseClass) -> None:
+        """``model``'s runner died on its own, of ``cause_class``."""
+        self.deaths.labels(model, cause_class).inc()
+
+    def evicted(self, model: str) -> None:
+        """Admission unloads ``model`` to make room."""
+        self.evictions.labels(model).inc()
+
+    def admission_refused(self, model: str) -> None:
+        """Admission refused a runner of ``model``."""
+        self.admission_refusals.labels(model).inc()
 
     def watch_status(self, status: Callable[[], StatusReply]) -> None:
         """Read ``status()`` at each scrape for the gauges (call it once)."""
@@ -81,7 +172,8 @@ class Metrics:
 
 
 class RequestRecord:
-    """One request's way through the registry: its first output, its end.
+    """One request's way through the registry: its first output, the gaps
+    between its tokens, its end.
 
     A generation cancelled after a tool call counts as ok: the OpenAI front
     cancels it there itself when ``parallel_tool_calls`` is false (and
@@ -89,22 +181,26 @@ class RequestRecord:
     registry cannot tell that cancel from a client leaving after a call,
     which is counted ok too."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
+    def __init__(self, metrics: Metrics, model: str, front: Front) -> None:
         self.metrics = metrics
         self.model = model
+        self.front = front
         self.started = time.monotonic()
         self.first_output_seen = False
         self.called_tools = False
         self.outcome: str | None = None
+        self.tokens_seen = 0  # generation_tokens of the last frame that brought some
+        self.tokens_seen_at: float | None = None  # when that frame came
 
     def observe(self, event: TextChunk | GenerationDone) -> None:
         """Note a frame on its way to the client."""
+        now = time.monotonic()
+        self._observe_tokens(event.generation_tokens, now)
         if isinstance(event, TextChunk):
             self.called_tools = self.called_tools or bool(event.tool_calls)
             if not self.first_output_seen and (event.text or event.reasoning or event.tool_calls):
                 self.first_output_seen = True
-                elapsed = time.monotonic() - self.started
-                self.metrics.ttft.labels(self.model).observe(elapsed)
+                self.metrics.ttft.labels(self.model).observe(now - self.started)
             return
         model = self.model
         self.metrics.prompt_tokens.labels(model).inc(event.prompt_tokens)
@@ -114,11 +210,24 @@ class RequestRecord:
         whole = reason in OK_FINISHES or (reason == "cancelled" and self.called_tools)
         self.finish("ok" if whole else reason)
 
+    def _observe_tokens(self, tokens: int, now: float) -> None:
+        """A frame that says ``tokens`` were generated so far: the ones new
+        since the last frame share its gap evenly (see ``Metrics.itl``)."""
+        new = tokens - self.tokens_seen
+        if new <= 0:
+            return
+        if self.tokens_seen_at is not None:
+            gap = (now - self.tokens_seen_at) / new
+            itl = self.metrics.itl.labels(self.model)
+            for _ in range(new):
+                itl.observe(gap)
+        self.tokens_seen, self.tokens_seen_at = tokens, now
+
     def finish(self, outcome: str) -> None:
         """Count the request once, under ``outcome`` (later calls are ignored)."""
         if self.outcome is None:
             self.outcome = outcome
-            self.metrics.requests.labels(self.model, outcome).inc()
+            self.metrics.requests.labels(self.model, self.front, outcome).inc()
 
     def close(self) -> None:
         """The request is over; one that ended without a word was cancelled."""
@@ -126,7 +235,8 @@ class RequestRecord:
 
 
 class StatusCollector:
-    """Gauges from the daemon's status, read when scraped."""
+    """Gauges, and the counters the status keeps, from the daemon's status,
+    read when scraped."""
 
     def __init__(self, status: Callable[[], StatusReply]) -> None:
         self.status = status
@@ -156,6 +266,7 @@ class StatusCollector:
             value=system.runners_bytes,
         )  # fmt: skip
         yield from self._models(reply)
+        yield from self._prefix_caches(reply.runners)
         events = CounterMetricFamily(
             f"{PREFIX}_events",
             "The registry's counters: restarts, deaths by class, refusals, retries, ...",
@@ -200,3 +311,51 @@ class StatusCollector:
                 if figure is not None:
                     family.add_metric([name], figure)
         yield from (state, restarts, queue, active, rss, mlx_active, mlx_cache, mlx_peak, budget)
+
+    def _prefix_caches(self, runners: list[RunnerInfo]) -> Iterable[Metric]:
+        """Each loaded model's KV prefix cache, as its runner last reported it.
+        Its counters start again with each runner (a counter reset, which
+        ``rate()`` and ``increase()`` allow for)."""
+
+        def counter(name: str, text: str) -> CounterMetricFamily:
+            since = " Since the runner started."
+            return CounterMetricFamily(f"{PREFIX}_{name}", text + since, labels=["model"])
+
+        def gauge(name: str, text: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=["model"])
+
+        lookups = counter("prefix_cache_lookups", "Lookups of a prompt in the RAM prefix cache.")
+        hits = counter(
+            "prefix_cache_hits",
+            "Lookups the RAM prefix cache served (at least one token reused): hits / lookups "
+            "is its hit ratio.",
+        )
+        evictions = counter("prefix_cache_evictions", "Entries the RAM prefix cache dropped.")
+        entries = gauge("prefix_cache_entries", "Entries in the RAM prefix cache.")
+        held = gauge("prefix_cache_bytes", "What the RAM prefix cache holds.")
+        budget = gauge("prefix_cache_budget_bytes", "The RAM prefix cache's budget.")
+        disk_hits = counter(
+            "prefix_cache_disk_hits",
+            "Prompts the disk tier served with more of them than RAM held (its blocks are "
+            "read into RAM: when RAM keeps them, the RAM lookup that follows is a hit too).",
+        )
+        disk_held = gauge("prefix_cache_disk_bytes", "What the prefix cache's disk tier holds.")
+        disk_budget = gauge("prefix_cache_disk_budget_bytes", "The disk tier's budget.")
+        for runner in runners:
+            stats = runner.prefix_cache
+            if stats is None:  # not loaded, or no prefix cache for this model
+                continue
+            name = [runner.name]
+            lookups.add_metric(name, stats.hits + stats.misses)
+            hits.add_metric(name, stats.hits)
+            evictions.add_metric(name, stats.evictions)
+            entries.add_metric(name, stats.entries)
+            held.add_metric(name, stats.bytes)
+            budget.add_metric(name, stats.budget_bytes)
+            disk = stats.disk
+            if disk is not None and disk.reason is None:  # a reason: the tier is off
+                disk_hits.add_metric(name, disk.hits)
+                disk_held.add_metric(name, disk.bytes)
+                disk_budget.add_metric(name, disk.budget_bytes)
+        yield from (lookups, hits, evictions, entries, held, budget)
+        yield from (disk_hits, disk_held, disk_budget)

@@ -29,15 +29,16 @@ class ChatSession:
         client: the daemon's client.
         name: the model to talk to.
         system: a system prompt for every turn, if any.
-        max_tokens, temperature: the sampling of every answer.
+        max_tokens, temperature: the sampling of every answer (None: the
+            model's configured defaults, else the daemon's).
         out: where answers are written.
     """
 
     client: Client
     name: str
     system: str | None = None
-    max_tokens: int = 512
-    temperature: float = 0.0
+    max_tokens: int | None = None
+    temperature: float | None = None
     out: TextIO = sys.stdout
     history: list[ChatMessage] = field(default_factory=list)
 

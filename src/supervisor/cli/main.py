@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from ipc.messages import ChatMessage
+from ipc.messages import ChatMessage, ReloadReply
 from supervisor import __version__
 from supervisor.cli.render import (
     AnswerPrinter,
@@ -57,10 +57,34 @@ def socket_path(given: Path | None, configured: str | None) -> Path:
 
 def client_for(args: argparse.Namespace) -> Client:
     """A client of the daemon that ``serve`` with the same options and config
-    would run. Raises ConfigError: the config file cannot be read."""
+    would run. Raises ConfigError: the config file cannot be read (for
+    ``reload``, only when its socket_path cannot be: the daemon judges the rest)."""
     path = config_file(args.config)
-    configured = load_config(path).socket_path if path is not None else None
+    configured = None
+    if path is not None:
+        try:
+            configured = load_config(path).socket_path
+        except ConfigError:
+            if args.command != "reload":
+                raise
+            if args.socket is None and not os.environ.get(SOCKET_ENV):
+                configured = configured_socket(path)
     return Client(socket_path(args.socket, configured))
+
+
+def configured_socket(path: Path) -> str | None:
+    """The socket_path of a config file that is otherwise invalid (a reload
+    of it is refused by the daemon, with the reason), when its TOML parses.
+
+    Raises:
+        ConfigError: the file cannot be read, or is not TOML.
+    """
+    try:
+        data = msgspec.toml.decode(path.read_bytes())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    value = data.get("socket_path") if isinstance(data, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -71,15 +95,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from supervisor.memory.monitor import override_mb
     from supervisor.security import InsecurePath
 
+    path = config_file(args.config)
+    if path is not None:
+        path = path.expanduser().absolute()  # what `reload` reads again, wherever we are then
     try:
-        config = with_http_override(load_config(config_file(args.config)), args.http)
+        config = with_http_override(load_config(path), args.http)
         override_mb(config.memory_override_mb)  # a bad OVERRIDE_MEMORY_MB stops us here
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     configure_logging()
     try:
-        run_daemon(config, socket_path(args.socket, config.socket_path))
+        run_daemon(config, socket_path(args.socket, config.socket_path), path, args.http)
     except (DaemonAlreadyRunning, FileExistsError, InsecurePath) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -223,6 +250,48 @@ def cmd_cache(args: argparse.Namespace, client: Client) -> int:
     cleared = client.clear_cache(args.name, disk_only=args.disk_only)
     print(cache_cleared_line(cleared, disk_only=args.disk_only))
     return EXIT_OK
+
+
+def cmd_reload(args: argparse.Namespace, client: Client) -> int:
+    reply = client.reload()
+    if args.json:
+        print(msgspec.json.encode(reply).decode())
+    else:
+        print(reload_lines(reply), file=sys.stdout if reply.ok else sys.stderr)
+    return EXIT_OK if reply.ok else EXIT_FAILED
+
+
+def reload_lines(reply: ReloadReply) -> str:
+    """A reload's reply for people, one fact a line."""
+    if not reply.ok:
+        key = f" (key {reply.key})" if reply.key else ""
+        return f"error: reload refused{key}: {reply.error}\nthe running config is unchanged"
+    lines = [f"reloaded {reply.path}"]
+
+    def listed(label: str, names: list[str]) -> None:
+        if names:
+            lines.append(f"{label}: {', '.join(names)}")
+
+    listed("added", reply.added)
+    listed("preloading", reply.preloading)
+    listed("removed", reply.removed)
+    listed("unloaded", reply.unloaded)
+    listed("unloading once their requests end", reply.unloading)
+    for change in reply.changed:
+        if not change.loaded:
+            keys = ", ".join(change.now)
+            lines.append(f"{change.name} (not loaded): {keys} apply when it loads")
+            continue
+        if change.now:
+            lines.append(f"{change.name}: {', '.join(change.now)} apply to new requests now")
+        if change.next_load:
+            lines.append(f"{change.name}: {', '.join(change.next_load)} apply at its next load")
+    listed("daemon keys applied now", reply.daemon_now)
+    listed("daemon keys applied at each model's next load", reply.daemon_next_load)
+    listed("daemon keys that need a restart (not applied)", reply.needs_restart)
+    if len(lines) == 1:
+        lines.append("nothing changed")
+    return "\n".join(lines)
 
 
 def cmd_shutdown(args: argparse.Namespace, client: Client) -> int:
@@ -375,9 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", parents=[socket_parent], help="stream a generation")
     p.add_argument("name")
     p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int,
+                   help="default: the model's default_max_tokens, else 256")  # fmt: skip
+    p.add_argument("--temperature", type=float,
+                   help="default: the model's configured temperature, else 0 (greedy)")  # fmt: skip
+    p.add_argument("--top-p", type=float, help="default: the model's configured top_p, else 1")
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="send PROMPT as a chat message")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -398,10 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", parents=[socket_parent], help="chat with a loaded model")
     p.add_argument("name")
     p.add_argument("--system", help="a system prompt for the conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="per answer (default 512)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int,
+                   help="per answer (default: the model's default_max_tokens, else 256)")
+    p.add_argument("--temperature", type=float,
+                   help="default: the model's configured temperature, else 0 (greedy)")  # fmt: skip
 
     sub.add_parser("shutdown", parents=[socket_parent], help="stop all runners and the daemon")
+
+    p = sub.add_parser("reload", parents=[socket_parent],
+                       help="read the daemon's config file again (as SIGHUP does)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     p = sub.add_parser("cache", help="manage a model's prefix cache")
     cache_sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
@@ -431,6 +508,7 @@ CLIENT_COMMANDS = {
     "ps": cmd_status,
     "chat": cmd_chat,
     "shutdown": cmd_shutdown,
+    "reload": cmd_reload,
     "cache": cmd_cache,
 }
 

@@ -32,6 +32,8 @@ from ipc.messages import (
     LoadProgress,
     LoadRequest,
     Queued,
+    ReloadReply,
+    ReloadRequest,
     RestartStrategy,
     SamplingParams,
     ServerMessage,
@@ -131,6 +133,15 @@ def unload(name: str) -> Call[Unloaded]:
     return Call(UnloadRequest(name), Unloaded)
 
 
+def reload() -> Call[ReloadReply]:
+    """Have the daemon read its config file again and apply it. A file that
+    does not parse or validate is refused whole (``ok`` false, ``error`` and
+    ``key`` say why) and the running config stays; otherwise the reply says
+    what was added, removed, and which changes apply now or at a model's
+    next load."""
+    return Call(ReloadRequest(), ReloadReply)
+
+
 def shutdown() -> Call[ShutdownAck]:
     """Stop every runner and the daemon; returns once the runners are reaped."""
     return Call(ShutdownRequest(), ShutdownAck)
@@ -147,30 +158,49 @@ def generate(
     prompt: str | None = None,
     *,
     messages: list[ChatMessage] | list[dict[str, str]] | None = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     cache: bool = True,
     stop: Sequence[str] = (),
     sampling: SamplingParams | None = None,
+    sampling_given: Sequence[str] | None = None,
     options: ChatOptions | None = None,
 ) -> GenerateRequest:
     """Start a generation; iterate the result for text pieces (its
     ``reasoning``, ``tool_calls`` and ``logprobs`` gather on it). ``cache``
     False: the request neither uses nor fills the model's prefix cache.
     ``stop``: the text ends before the first of these strings. Chat turns
-    may be dicts with role and content. ``sampling``, when given, stands for
-    all the sampling arguments (it has every knob: top_k, logit_bias,
-    logprobs, ...); ``options``: tools, tool_choice, response_format and
-    chat template arguments."""
+    may be dicts with role and content. ``max_tokens``, ``temperature``,
+    ``top_p`` and ``seed`` left out (None) take the model's configured
+    defaults, else 256 tokens, greedy, 1.0 and a random seed.
+    ``sampling``, when given, stands for all the sampling arguments (it has
+    every knob: top_k, logit_bias, logprobs, ...): each of its fields is the
+    caller's choice (``temperature=0.0`` is greedy, whatever the model's
+    default), unless ``sampling_given`` names those chosen (a model's
+    defaults then fill in the others); ``options``: tools, tool_choice,
+    response_format and chat template arguments."""
     chat = None
     if messages is not None:
         chat = [msgspec.convert(m, ChatMessage) if isinstance(m, dict) else m for m in messages]
+    given: tuple[str, ...] = SamplingParams.__struct_fields__
+    if sampling is not None and sampling_given is not None:
+        given = tuple(sampling_given)
     if sampling is None:
-        sampling = SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop))
+        fields = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                  "seed": seed}  # fmt: skip
+        given = tuple(key for key, value in fields.items() if value is not None)
+        builtin = SamplingParams()
+        sampling = SamplingParams(
+            max_tokens=builtin.max_tokens if max_tokens is None else max_tokens,
+            temperature=builtin.temperature if temperature is None else temperature,
+            top_p=builtin.top_p if top_p is None else top_p,
+            seed=seed,
+            stop=tuple(stop),
+        )
     return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache,
-                           chat=options or ChatOptions())  # fmt: skip
+                           chat=options or ChatOptions(), sampling_given=given)  # fmt: skip
 
 
 GENERATE_TEXT_DOC = """Generate to the end; return the whole text and the final stats.

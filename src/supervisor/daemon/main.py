@@ -15,9 +15,11 @@ import anyio
 import structlog
 from anyio.abc import SocketListener, SocketStream, TaskGroup, TaskStatus
 
+from ipc.messages import ReloadReply
 from supervisor import __version__
-from supervisor.boundary import retry_delay_s
+from supervisor.boundary import keep_running, retry_delay_s
 from supervisor.config import ModelConfig, SupervisorConfig, parse_listen
+from supervisor.daemon.reload import Reloader
 from supervisor.daemon.state import (
     DaemonState,
     RunnerRecord,
@@ -25,9 +27,11 @@ from supervisor.daemon.state import (
     kill_leftover_runners,
     state_path,
 )
+from supervisor.events import EventHub
 from supervisor.fronts.control import ControlServer, claim_socket
 from supervisor.fronts.http.server import HttpFront
 from supervisor.registry.registry import Registry, RequestError
+from supervisor.runners.handle import RUNNER_LOGS, RunnerLogs
 from supervisor.system import signal_name
 
 log = structlog.get_logger("supervisor.daemon.main")
@@ -39,16 +43,30 @@ class Daemon:
     Args:
         config: the daemon config.
         socket_path: where to listen.
+        config_path: the file ``config`` was read from, which a reload reads
+            again (None: no file, and a reload is refused).
+        http_flag: ``serve --http``, which a reload keeps over the file's.
     """
 
-    def __init__(self, config: SupervisorConfig, socket_path: Path) -> None:
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        socket_path: Path,
+        config_path: Path | None = None,
+        http_flag: str | None = None,
+    ) -> None:
         self.config = config
         self.socket_path = socket_path
+        self.config_path = config_path
+        self.http_flag = http_flag
+        self.reloader: Reloader | None = None
         self._shutdown_started = False
         self._shutdown_done = anyio.Event()
         self._exit = anyio.Event()
         self._stopped_runners = 0
         self.registry: Registry | None = None
+        self.events = EventHub()  # what happens to the models, for /admin/events
+        self.runner_logs = RunnerLogs()  # what the runners wrote, for the dashboard
         self.state_file = StateFile(state_path(socket_path))
         self._desired_models: list[ModelConfig] = []
 
@@ -62,6 +80,7 @@ class Daemon:
             return self._stopped_runners
         self._shutdown_started = True
         log.info("daemon_shutting_down")
+        self.events.publish("daemon_stopping", pid=os.getpid())
         assert self.registry is not None
         self._stopped_runners = await self.registry.shutdown()
         self._shutdown_done.set()
@@ -75,6 +94,7 @@ class Daemon:
 
     async def run(self) -> None:
         """Serve until SIGTERM, SIGINT or a shutdown request; then clean up.
+        SIGHUP reloads the config file.
 
         Raises:
             DaemonAlreadyRunning: another daemon owns the socket.
@@ -86,21 +106,28 @@ class Daemon:
         if killed:
             log.warning("predecessor_runners_killed", pids=killed, predecessor=previous.daemon_pid)
         self._desired_models = list(previous.models)
+        RUNNER_LOGS.set(self.runner_logs)  # every runner handle made below records its lines
         try:
             async with anyio.create_task_group() as tg:
-                self.registry = Registry(self.config, tg, on_change=self._save_state)
+                self.registry = Registry(self.config, tg, on_change=self._save_state,
+                                         events=self.events)  # fmt: skip
                 self.registry.start_background()
+                self.reloader = Reloader(self.config, self.config_path, self.registry,
+                                         self._load_at_start, self.http_flag)  # fmt: skip
                 for spec in self._models_at_start(previous):
                     tg.start_soon(self._load_at_start, spec)
                 server = ControlServer(
-                    self.registry, self.config, self.socket_path, self.shutdown, self._exit.set
-                )
+                    self.registry, self.config, self.socket_path, self.shutdown, self._exit.set,
+                    reload=self.reload,
+                )  # fmt: skip
                 await tg.start(self._watch_signals)  # before we say we serve
                 http = await self._start_http(tg, server)
                 tg.start_soon(serve_connections, listener, server.handle_connection)
                 log.info("daemon_started", pid=os.getpid(), version=__version__,
                          socket=str(self.socket_path), http=server.http_url())  # fmt: skip
+                self.events.publish("daemon_started", pid=os.getpid(), version=__version__)
                 await self._exit.wait()
+                self.events.close()  # event streams end, so the HTTP front stops at once
                 if http is not None:
                     await http.stop()
                 tg.cancel_scope.cancel()
@@ -112,6 +139,22 @@ class Daemon:
                     self.socket_path.unlink()
             log.info("daemon_stopped", pid=os.getpid())
 
+    async def reload(self) -> ReloadReply:
+        """Read the config file again and apply it (see
+        :class:`~supervisor.daemon.reload.Reloader`); never raises. The socket's
+        ``reload``, SIGHUP and ``POST /admin/reload`` call it."""
+        if self.reloader is None:  # not serving yet
+            return ReloadReply(ok=False, error="the daemon is starting: try again")
+        return await self.reloader.reload()
+
+    async def _reload_on_signal(self) -> None:
+        """SIGHUP: reload; the outcome is in the log (config_reloaded or
+        config_reload_refused). A fault boundary: a bug ends here, logged."""
+        try:
+            await self.reload()
+        except Exception:
+            log.exception("config_reload_failed")
+
     async def _start_http(self, tg: TaskGroup, server: ControlServer) -> HttpFront | None:
         """Start the HTTP front in ``tg`` unless ``http_listen`` is off. An
         address that cannot be had is logged, and the socket serves on alone."""
@@ -119,7 +162,10 @@ class Daemon:
         if listen is None:
             return None
         assert self.registry is not None
-        front = HttpFront(self.registry, self.config, server.status)
+        front = HttpFront(self.registry, self.config, server.status, reload=self.reload,
+                          runner_logs=self.runner_logs)  # fmt: skip
+        tg.start_soon(keep_running, "memory history", front.dashboard.history.run,
+                      name="memory history")  # fmt: skip
         await tg.start(front.serve, *listen)
         server.http_url = lambda: front.url
         return front
@@ -151,8 +197,10 @@ class Daemon:
         registry = self.registry
         assert registry is not None
         if not registry.closing:  # a shutdown keeps the models for the next start
-            self._desired_models = [
-                entry.spec for entry in registry.entries.values() if entry.state != "stopping"
+            self._desired_models = [  # with the settings a reload left for the next load
+                entry.next_spec or entry.spec
+                for entry in registry.entries.values()
+                if entry.state != "stopping" and not entry.removed
             ]
         runners = [
             RunnerRecord(handle.spec.name, handle.pid, handle.create_time)
@@ -169,11 +217,20 @@ class Daemon:
             log.error("state_save_failed", path=str(self.state_file.path), error=repr(exc))
 
     async def _watch_signals(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            await self._receive_signals(task_status)
+        finally:  # the receiver gave SIGHUP its default action back: not while we stop
+            signal.signal(signal.SIGHUP, _sighup_before_serving)
+
+    async def _receive_signals(self, task_status: TaskStatus[None]) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             task_status.started()
             async for signum in signals:
-                if signum == signal.SIGHUP:
-                    log.info("sighup_ignored")  # a closed terminal must not stop the models
+                registry = self.registry
+                assert registry is not None
+                if signum == signal.SIGHUP:  # reload, as daemons run by launchd and systemd do
+                    log.info("reload_requested", by="SIGHUP")  # it stops nothing
+                    registry.task_group.start_soon(self._reload_on_signal)
                     continue
                 log.info("signal_received", signal=signal_name(signum))
                 if self._shutdown_started:
@@ -232,7 +289,21 @@ def raise_fd_limit() -> None:
         log.warning("fd_limit_unchanged", error=str(exc))
 
 
-def run_daemon(config: SupervisorConfig, socket_path: Path) -> None:
-    """Run a daemon in this process until it is told to stop."""
+def run_daemon(
+    config: SupervisorConfig,
+    socket_path: Path,
+    config_path: Path | None = None,
+    http_flag: str | None = None,
+) -> None:
+    """Run a daemon in this process until it is told to stop (see :class:`Daemon`)."""
     raise_fd_limit()
-    anyio.run(Daemon(config, socket_path).run)
+    # Until the daemon listens for SIGHUP (a reload), one would end it: its
+    # default action. Caught, not ignored: a runner started meanwhile gets
+    # SIGHUP's default back at exec, as it would from a terminal.
+    signal.signal(signal.SIGHUP, _sighup_before_serving)
+    anyio.run(Daemon(config, socket_path, config_path, http_flag).run)
+
+
+def _sighup_before_serving(signum: int, frame: object) -> None:
+    """A SIGHUP while the daemon starts or stops: nothing to reload yet (or
+    any more), and not the end of the daemon."""

@@ -37,6 +37,8 @@ from ipc.messages import (
     LoadProgress,
     LoadRequest,
     Queued,
+    ReloadReply,
+    ReloadRequest,
     ShutdownAck,
     ShutdownRequest,
     StatusReply,
@@ -142,6 +144,7 @@ class ControlServer:
         socket_path: shown in status.
         shutdown: the daemon's shutdown coroutine (returns the runner count).
         request_exit: tells the daemon to exit once a shutdown is acknowledged.
+        reload: the daemon's config reload (None: a reload is refused).
     """
 
     def __init__(
@@ -151,12 +154,15 @@ class ControlServer:
         socket_path: Path,
         shutdown: Callable[[], Awaitable[int]],
         request_exit: Callable[[], None],
+        *,
+        reload: Callable[[], Awaitable[ReloadReply]] | None = None,
     ) -> None:
         self.registry = registry
         self.config = config
         self.socket_path = socket_path
         self.shutdown = shutdown
         self.request_exit = request_exit
+        self.reload = reload
         self.started = time.monotonic()
         self.http_url: Callable[[], str | None] = lambda: None  # the HTTP front's, once it listens
         self.connections = 0
@@ -260,6 +266,11 @@ class ControlServer:
                 await conn.send(ShutdownAck(runners=count))
             finally:
                 self.request_exit()
+        elif isinstance(request, ReloadRequest):
+            if self.reload is None:
+                raise RequestError("bad_request", "this daemon cannot reload its config")
+            log.info("reload_requested", by="socket")
+            await conn.send(await self.reload())
         elif isinstance(request, CancelRequest):
             raise RequestError("bad_request", "cancel is only valid during a generate")
 
@@ -323,7 +334,11 @@ class ControlServer:
                     readers.start_soon(watch_client)
                     try:
                         await self.registry.generate(
-                            request, emit, cancel, on_queued=lambda n: queued.put(Queued(n))
+                            request,
+                            emit,
+                            cancel,
+                            on_queued=lambda n: queued.put(Queued(n)),
+                            front="socket",
                         )
                     except RequestError as exc:
                         failure = exc

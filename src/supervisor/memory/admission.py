@@ -83,8 +83,9 @@ class Candidate(Protocol):
     def footprint_bytes(self) -> int: ...
 
 
-Evict = Callable[[str, str], Awaitable[None]]
-"""Unload the named model, giving a reason (the registry's eviction)."""
+Evict = Callable[[str, str], Awaitable[bool]]
+"""Unload the named model, giving a reason (the registry's eviction); False
+when it had gone meanwhile (nothing was evicted)."""
 
 
 def committed_bytes(others: Iterable[Candidate]) -> int:
@@ -433,10 +434,11 @@ class Admission:
     ) -> None:
         reason = f"evicted ({why}) to make room for {for_name}"
         log.warning("model_evicting", model=victim.name, reason=reason)
-        self.counters["evicted"] += 1
-        evicted.append(victim.name)
         with anyio.CancelScope(shield=True):  # an unload is never left half-way
-            await evict(victim.name, reason)
+            gone = await evict(victim.name, reason)
+        if gone:  # counted once it is: one that went meanwhile was not evicted
+            self.counters["evicted"] += 1
+            evicted.append(victim.name)
 
     def _plan(
         self,

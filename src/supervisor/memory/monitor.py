@@ -45,6 +45,8 @@ import anyio.to_thread
 import psutil
 import structlog
 
+from supervisor.events import EventHub
+
 log = structlog.get_logger("supervisor.memory")
 
 GiB = 1 << 30
@@ -284,6 +286,7 @@ class MemoryMonitor:
         poll_s: seconds between samples in :meth:`run`.
         footprint: bytes our runners hold now; called on the event loop thread.
         read: the reader of the real machine (a recorded one in tests).
+        events: where pressure crossings are published (the daemon's hub).
 
     Raises:
         ValueError: a non-positive override or poll interval, or a threshold
@@ -298,6 +301,7 @@ class MemoryMonitor:
         poll_s: float,
         footprint: Callable[[], int],
         read: Callable[[], SystemMemory] = read_system_memory,
+        events: EventHub | None = None,
     ) -> None:
         if override_mb is not None and override_mb <= 0:
             raise ValueError(f"memory override must be a positive number of MB, not {override_mb}")
@@ -313,6 +317,7 @@ class MemoryMonitor:
         self._high = False
         self._reading_failed = False
         self._fallback_logged = False
+        self.events = events if events is not None else EventHub()
         self.latest: MemorySnapshot = self.sample()
 
     @property
@@ -431,6 +436,8 @@ class MemoryMonitor:
         if not self._high and pressure > snapshot.threshold_pct:
             self._high = True
             log.warning("memory_pressure_high", memory=snapshot.describe(), **fields)
+            self.events.publish("memory_pressure_high", **fields)
         elif self._high and pressure < snapshot.threshold_pct - PRESSURE_HYSTERESIS_PCT:
             self._high = False
             log.info("memory_pressure_normal", memory=snapshot.describe(), **fields)
+            self.events.publish("memory_pressure_normal", **fields)

@@ -17,17 +17,20 @@ from anyio.abc import TaskGroup
 
 from ipc.messages import MemoryPlan
 from supervisor.boundary import contained
+from supervisor.events import EventHub
 from supervisor.memory.admission import Admission
 from supervisor.memory.estimate import estimate_reference
 from supervisor.memory.ranks import group_estimate
+from supervisor.metrics import Metrics
 from supervisor.registry.entries import ModelEntry
 from supervisor.runners.handle import RunnerHandle
 from supervisor.runners.placement import Place, group_places, is_group
 from supervisor.runners.spare import HotSpare, spare_fits
 from supervisor.waiting import first_of
 
-Evict = Callable[[str, str], Awaitable[None]]
-"""Unloads the model of that name, for that reason (gone meanwhile: nothing)."""
+Evict = Callable[[str, str], Awaitable[bool]]
+"""Unloads the model of that name, for that reason; False when it had gone
+meanwhile (nothing was unloaded)."""
 
 
 class Admitter:
@@ -40,6 +43,8 @@ class Admitter:
         task_group: where runtime measurements and expiries run.
         counters: the registry's counters.
         evict: unloads a model to make room, or once it has expired.
+        metrics: where evictions and refusals count, per model.
+        events: where evictions, expiries and refusals are published.
     """
 
     def __init__(
@@ -50,6 +55,9 @@ class Admitter:
         task_group: TaskGroup,
         counters: Counter[str],
         evict: Evict,
+        *,
+        metrics: Metrics,
+        events: EventHub,
     ) -> None:
         self.admission = admission
         self.spare = spare
@@ -57,6 +65,8 @@ class Admitter:
         self.task_group = task_group
         self.counters = counters
         self.evict = evict
+        self.metrics = metrics
+        self.events = events
         self._idle_changed = anyio.Event()
 
     def idle_changed(self) -> None:
@@ -73,6 +83,7 @@ class Admitter:
         Raises:
             AdmissionRefused: it does not fit, even after evicting idle models.
         """
+        self.metrics.model_seen(entry.name)
         estimate = None
         try:
             spec = entry.spec
@@ -86,8 +97,8 @@ class Admitter:
         baseline.observe(self.spare.warm_footprint_bytes(), "spare")
         if estimate is not None:
             estimate = baseline.apply(estimate)
-            try:
-                places = group_places(entry.spec)
+            try:  # a hostfile is read: off the event loop
+                places = await anyio.to_thread.run_sync(group_places, entry.spec)
             except ValueError:  # the runner's start says so
                 places = [Place(None, "")]
             here = sum(place.host is None for place in places)
@@ -110,7 +121,7 @@ class Admitter:
             entry.estimate,
             reason=reason,
             others=lambda: [e for e in list(self.entries.values()) if e is not entry],
-            evict=self.evict,
+            evict=functools.partial(self.evict_to_make_room, for_model=entry.name),
             grant=grant,
             spare_bytes=spare_bytes,
             floor_bytes=floor_bytes,
@@ -118,6 +129,16 @@ class Admitter:
         if not baseline.measured and not is_group(entry.spec):
             self.task_group.start_soon(contained, f"measure runtime {entry.name}",
                                        self._measure_runtime, entry)  # fmt: skip
+
+    async def evict_to_make_room(self, name: str, reason: str, *, for_model: str) -> bool:
+        """Unload ``name`` to make room for ``for_model``; counted and
+        published once it is unloaded. False (nothing counted, nothing
+        published) when it had gone meanwhile."""
+        if not await self.evict(name, reason):
+            return False
+        self.metrics.evicted(name)
+        self.events.publish("model_evicted", name, reason=reason, for_model=for_model)
+        return True
 
     async def _measure_runtime(self, entry: ModelEntry) -> None:
         """Until a spare has been measured: the footprint of the entry's admitted runner
@@ -136,6 +157,8 @@ class Admitter:
         """Admission refused the entry's runner: a first load fails with
         insufficient_memory; a restart leaves the model failed, not looping."""
         entry.log.error("admission_refused", reason=message)
+        self.events.publish("admission_refused", entry.name, reason=message)
+        self.metrics.admission_refused(entry.name)
         entry.load_error = message
         entry.load_error_code = "insufficient_memory"
         entry.failure = f"insufficient memory: {message}"
@@ -146,7 +169,8 @@ class Admitter:
             self.counters["failed"] += 1
 
     async def expire_idle(self) -> None:
-        """Unload models idle longer than their keep-alive (never pinned ones).
+        """Unload models idle longer than their keep-alive (never pinned ones),
+        and models a reload removed from the config, once nothing uses them.
 
         Sleeps until the earliest deadline; a request starting or ending, or a
         model becoming ready, wakes it to recompute.
@@ -174,7 +198,12 @@ class Admitter:
         if deadline is None or deadline > now or self.entries.get(entry.name) is not entry:
             return
         # From the check to unload()'s stop_requested nothing yields: no request gets in.
+        if entry.removed:
+            await self.evict(entry.name, "removed from the config")
+            return
         self.counters["expired"] += 1
         idle_s = round(now - entry.last_used, 1)
+        self.events.publish("model_expired", entry.name, idle_s=idle_s,
+                            keep_alive_s=entry.keep_alive_s)  # fmt: skip
         await self.evict(entry.name, f"expired: idle {idle_s}s (keep_alive "
                                      f"{entry.keep_alive_s:g}s)")  # fmt: skip

@@ -27,6 +27,7 @@ from ipc.messages import (
     RunnerState,
 )
 from supervisor.config import ModelConfig
+from supervisor.events import EventHub
 from supervisor.memory.estimate import Estimate
 from supervisor.registry.restart import RestartTracker
 from supervisor.runners.group import RunnerGroup
@@ -86,6 +87,9 @@ class ModelEntry:
     failure: str | None = None
     next_restart_at: float | None = None
     param_bytes: int | None = None
+    # The runner's own max_tokens cap, as it was loaded: a reload's new cap
+    # (the model's or the daemon's) waits for the next load.
+    max_tokens_cap: int | None = None
     keep_if_first_load_fails: bool = False  # restored at start: stay, failed, for status
     waiters: list[Waiter] = field(default_factory=list)  # in arrival order
     # A slot per request the runner serves at once: sized by max_concurrent,
@@ -108,6 +112,13 @@ class ModelEntry:
     admitted: bool = False  # from admission until that runner is gone
     footprint_at_exit: int = 0  # what its last runner held when it died
     last_used: float = field(default_factory=time.monotonic)  # end of the last request
+    # A reload's settings that wait for the model's next load (its runner's
+    # shape: kv_bits, the reference, ...): they replace ``spec`` then.
+    next_spec: ModelConfig | None = None
+    # Dropped from the config by a reload: takes no new request, and is
+    # unloaded once none is in flight or in line (keep-alive expiry does it).
+    removed: bool = False
+    events: EventHub = field(default_factory=EventHub)  # the registry's: each move is published
 
     @property
     def evictable(self) -> bool:
@@ -140,10 +151,21 @@ class ModelEntry:
         return handle.footprint_bytes if handle is not None and handle.alive else 0
 
     def expires_at(self) -> float | None:
-        """When keep-alive unloads this model if it stays idle (monotonic), or None."""
+        """When keep-alive unloads this model if it stays idle (monotonic), or
+        None. A model a reload removed expires as soon as no request is in
+        flight or in line, whatever its state, pin and keep-alive."""
+        if self.removed:
+            in_use = self.slots.borrowed_tokens > 0 or self.waiters
+            return None if in_use or self.stop_requested.is_set() else self.last_used
         if self.spec.pinned or self.keep_alive_s <= 0 or not self.evictable:
             return None
         return self.last_used + self.keep_alive_s
+
+    def take_next_spec(self) -> None:
+        """Before a load: the settings a reload left for it take effect."""
+        if self.next_spec is not None:
+            self.spec, self.next_spec = self.next_spec, None
+            self.log.info("settings_applied_at_load")
 
     def touch(self) -> None:
         """Note a use: keep-alive and LRU eviction count from here."""
@@ -170,6 +192,8 @@ class ModelEntry:
         # ready <-> busy happens on every request: not worth an info line each time.
         level = self.log.debug if {self.state, new} == {"ready", "busy"} else self.log.info
         level("model_state", old=self.state, new=new)
+        pid = self.handle.pid if self.handle is not None else None
+        self.events.publish("model_state", self.name, old=self.state, new=new, pid=pid)
         self.state = new
         self.state_changed.set()
         self.state_changed = anyio.Event()
@@ -268,9 +292,34 @@ class ModelEntry:
         return self.spec.kv_bits, self.spec.kv_group_size
 
 
-def entry_named(entries: dict[str, ModelEntry], name: str) -> ModelEntry:
-    """The entry called ``name`` in ``entries``. Raises RequestError(unknown_model)."""
+def find_entry(entries: dict[str, ModelEntry], name: str) -> ModelEntry | None:
+    """The entry called ``name`` in ``entries``, by its name, else by one of
+    its aliases; None if there is none. A model a reload removed keeps its
+    name until it is unloaded, not its aliases: the new config may have
+    given one to another model."""
     entry = entries.get(name)
+    if entry is not None:
+        return entry
+    return next(
+        (e for e in list(entries.values()) if not e.removed and name in e.spec.aliases), None
+    )
+
+
+def refuse_if_removed(entry: ModelEntry) -> None:
+    """Refuse a new request for a model a reload removed from the config.
+
+    Raises:
+        RequestError: unknown_model, when ``entry`` is removed.
+    """
+    if entry.removed:
+        raise RequestError("unknown_model", f"{entry.name} was removed from the config: it "
+                           "takes no new requests, and unloads once its last ends")  # fmt: skip
+
+
+def entry_named(entries: dict[str, ModelEntry], name: str) -> ModelEntry:
+    """The entry called ``name`` (or aliased so) in ``entries``. Raises
+    RequestError(unknown_model)."""
+    entry = find_entry(entries, name)
     if entry is None:
         known = ", ".join(sorted(entries)) or "none loaded"
         raise RequestError("unknown_model", f"no model named {name!r} (loaded: {known})")

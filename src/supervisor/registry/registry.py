@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskGroup
 
@@ -42,9 +43,10 @@ from ipc.messages import (
 )
 from supervisor.boundary import keep_running
 from supervisor.config import ModelConfig, SupervisorConfig, spec_problem
+from supervisor.events import EventHub
 from supervisor.memory.admission import Admission
 from supervisor.memory.monitor import MemoryMonitor, override_mb
-from supervisor.metrics import Metrics
+from supervisor.metrics import Front, Metrics
 from supervisor.registry.admitting import Admitter
 from supervisor.registry.entries import (
     ModelEntry,
@@ -52,6 +54,8 @@ from supervisor.registry.entries import (
     QueueListener,
     RequestError,
     entry_named,
+    find_entry,
+    refuse_if_removed,
 )
 from supervisor.registry.processes import RunnerProcesses
 from supervisor.registry.requests import MAX_STOP_CHARS, MAX_STOP_STRINGS, Emit, RequestRelay
@@ -78,6 +82,8 @@ class Registry:
         config: the daemon config.
         task_group: where supervising tasks and runner processes live.
         on_change: called after any change worth persisting (runners, models).
+        events: where what happens to the models is published (the daemon's
+            hub; by default one of the registry's own).
     """
 
     def __init__(
@@ -85,8 +91,10 @@ class Registry:
         config: SupervisorConfig,
         task_group: TaskGroup,
         on_change: Callable[[], None] = lambda: None,
+        events: EventHub | None = None,
     ) -> None:
         self.config = config
+        self.events = events if events is not None else EventHub()
         self.task_group = task_group
         self.on_change = on_change
         self.entries: dict[str, ModelEntry] = {}
@@ -98,14 +106,23 @@ class Registry:
             threshold_pct=config.pressure_threshold_pct,
             poll_s=config.memory_poll_s,
             footprint=self.runners_footprint,
+            events=self.events,
         )
         self.admission = Admission(config, self.monitor, self.counters)
         self.processes = RunnerProcesses(
             config, task_group, self.live_handles, self.admission, self.counters, on_change
         )
         self.spare = self.processes.spare
+        self.metrics = Metrics()  # every request, from the socket or HTTP, counts here
         self.admitter = Admitter(
-            self.admission, self.spare, self.entries, task_group, self.counters, self._evict
+            self.admission,
+            self.spare,
+            self.entries,
+            task_group,
+            self.counters,
+            self._evict,
+            metrics=self.metrics,
+            events=self.events,
         )
         idle_changed = self.admitter.idle_changed
         self.supervision = Supervision(
@@ -116,8 +133,9 @@ class Registry:
             self.counters,
             on_change=on_change,
             idle_changed=idle_changed,
+            metrics=self.metrics,
+            events=self.events,
         )
-        self.metrics = Metrics()  # every request, from the socket or HTTP, counts here
         self.requests = RequestRelay(
             config, self.entries, self.counters, self.metrics, idle_changed=idle_changed
         )
@@ -199,19 +217,28 @@ class Registry:
     async def load(self, spec: ModelConfig, on_progress: ProgressListener | None = None) -> Loaded:
         """Start supervising ``spec`` and wait until its model is ready.
 
+        ``on_progress`` hears the load's progress until this call ends
+        (a caller that leaves takes its listener with it).
+
         Raises:
             RequestError: the name is taken by a live model, the daemon is
                 closing, or the first load failed (the message says why; a
                 model whose first load fails is not restarted).
         """
-        problem = spec_problem(spec)  # before the unload: a refused load changes nothing
+        # Before the unload: a refused load changes nothing. In a worker thread:
+        # a hostfile is read (on a slow disk too).
+        problem = await anyio.to_thread.run_sync(spec_problem, spec)
         if problem:
             raise RequestError("bad_request", problem)
         old = self.entries.get(spec.name)
         if old is not None and old.state in ("crashed", "failed"):
             await self.unload(spec.name, reason="replaced by a new load")
-        entry = self.register(spec, on_progress)
-        return await self.wait_loaded(entry)
+        entry = self.register(spec, on_progress, places_checked=True)
+        try:
+            return await self.wait_loaded(entry)
+        finally:
+            if on_progress in entry.progress_listeners:
+                entry.progress_listeners.remove(on_progress)
 
     def register(
         self,
@@ -219,12 +246,15 @@ class Registry:
         on_progress: ProgressListener | None = None,
         *,
         keep_if_first_load_fails: bool = False,
+        places_checked: bool = False,
     ) -> ModelEntry:
         """Add ``spec`` and start its supervising task; returns at once.
 
         ``keep_if_first_load_fails`` (models restored at start): a failed
         first load leaves the model ``failed`` with the reason, in status and
         in the desired state, until an unload or a new load.
+        ``places_checked``: the caller has checked the spec's hostfile just
+        now (off the event loop): it is not read again here.
 
         Raises:
             RequestError: a spec :func:`spec_problem` refuses (bad_request), the
@@ -234,13 +264,14 @@ class Registry:
             raise RequestError("shutting_down", "the daemon is shutting down")
         # A restored model's hostfile may be missing for a moment at boot: its
         # load then fails and keeps it in status, failed with the reason.
-        problem = spec_problem(spec, places=not keep_if_first_load_fails)
+        problem = spec_problem(spec, places=not (keep_if_first_load_fails or places_checked))
         if problem:
             raise RequestError("bad_request", problem)
         old = self.entries.get(spec.name)
         if old is not None:
             raise RequestError("already_loaded", f"{spec.name} is already loaded ({old.state})")
-        entry = ModelEntry(spec, restart_tracker(self.config, spec))
+        entry = ModelEntry(spec, restart_tracker(self.config, spec), events=self.events)
+        self.events.publish("model_state", spec.name, old=None, new=entry.state, pid=None)
         entry.keep_if_first_load_fails = keep_if_first_load_fails
         entry.keep_alive_s = (
             spec.keep_alive_s if spec.keep_alive_s is not None else self.config.keep_alive_s
@@ -252,10 +283,14 @@ class Registry:
         return entry
 
     def find(self, ref: str) -> ModelEntry | None:
-        """The model named ``ref``, else the one model loaded from reference ``ref``."""
-        entry = self.entries.get(ref)
+        """The model named ``ref`` (by its name or an alias, its own or the
+        config's), else the one model loaded from reference ``ref``."""
+        entry = find_entry(self.entries, ref)
         if entry is not None:
             return entry
+        configured = self.config.model_config(ref)
+        if configured is not None and configured.name in self.entries:
+            return self.entries[configured.name]
         matches = [e for e in list(self.entries.values()) if e.spec.model == ref]
         return matches[0] if len(matches) == 1 else None
 
@@ -264,8 +299,8 @@ class Registry:
     ) -> ModelEntry:
         """The model a client names by ``ref``, loaded on demand if need be.
 
-        ``ref`` is a model's name, or the reference (``builtin:tiny``, a path,
-        a repo id) of a loaded or configured model. A configured model that
+        ``ref`` is a model's name or alias, or the reference (``builtin:tiny``, a
+        path, a repo id) of a loaded or configured model. A configured model that
         is not loaded is loaded (``load_on_demand``, on by default); any other
         reference only with ``load_on_demand = "any"``. The load is a normal
         one (admission, eviction, progress to ``on_progress``, the same
@@ -275,10 +310,13 @@ class Registry:
 
         Raises:
             RequestError: unknown_model (not loaded and not to be loaded on
-                demand), or the load's own error (load_failed,
-                insufficient_memory, shutting_down, bad_request, ...).
+                demand, or removed from the config by a reload), or the load's
+                own error (load_failed, insufficient_memory, shutting_down,
+                bad_request, ...).
         """
         entry = self.find(ref)
+        if entry is not None:
+            refuse_if_removed(entry)
         if entry is not None and self._first_load_failed_unheard(entry):
             # Everyone who waited for it left before it failed (a client's
             # timeout during a long load): forget it, and load afresh.
@@ -337,6 +375,27 @@ class Registry:
         """
         return await self.requests.clear_cache(name, disk_only)
 
+    def set_pinned(self, name: str, pinned: bool) -> ModelEntry:
+        """Pin the named model (never evicted to make room, never expired) or
+        unpin it. Its spec carries the pin, so the desired state keeps it
+        across a daemon restart (until an unload, or a reload that sets it).
+
+        Raises:
+            RequestError: unknown model, or one being unloaded (not_ready).
+        """
+        entry = self.get(name)
+        if entry.state == "stopping":
+            raise RequestError("not_ready", f"{entry.name} is being unloaded")
+        if entry.spec.pinned != pinned:
+            entry.spec = msgspec.structs.replace(entry.spec, pinned=pinned)
+            if entry.next_spec is not None:  # a reload's settings for its next load
+                entry.next_spec = msgspec.structs.replace(entry.next_spec, pinned=pinned)
+            entry.log.info("model_pinned" if pinned else "model_unpinned")
+            self.events.publish("model_pinned" if pinned else "model_unpinned", entry.name)
+            self.on_change()
+            self.idle_changed()  # keep-alive: its deadline came or went
+        return entry
+
     # --- generate ------------------------------------------------------------
 
     async def count_tokens(
@@ -356,14 +415,17 @@ class Registry:
         emit: Emit,
         cancel: anyio.Event,
         on_queued: QueueListener | None = None,
+        *,
+        front: Front = "socket",
     ) -> None:
         """Run one generation on the named model, passing each frame to ``emit``
-        (see :meth:`RequestRelay.generate`), and count it in ``metrics``.
+        (see :meth:`RequestRelay.generate`), and count it in ``metrics`` under
+        ``front``, where it came in.
 
         Raises:
             RequestError: unknown model, timed out, runner died, or failed.
         """
-        await self.requests.generate(request, emit, cancel, on_queued)
+        await self.requests.generate(request, emit, cancel, on_queued, front=front)
 
     # --- unload and shutdown -------------------------------------------------
 
@@ -378,6 +440,7 @@ class Registry:
             RequestError: no such model.
         """
         entry = self.get(name)
+        name = entry.name  # ``name`` may be an alias
         started = time.perf_counter()
         entry.stop_requested.set()
         entry.move("stopping")
@@ -402,6 +465,8 @@ class Registry:
         elapsed_s = time.perf_counter() - started
         log.info("model_unloaded", model=name, runner_pid=pid, steps=steps, reason=reason,
                  elapsed_s=round(elapsed_s, 3))  # fmt: skip
+        self.events.publish("model_unloaded", name, pid=pid, steps=steps, reason=reason,
+                            elapsed_s=round(elapsed_s, 3))  # fmt: skip
         return Unloaded(name=name, pid=pid, steps=steps, elapsed_s=elapsed_s, exit=last_exit)
 
     async def shutdown(self) -> int:
@@ -418,7 +483,11 @@ class Registry:
         with contextlib.suppress(RequestError):  # it went away on its own meanwhile
             await self.unload(name, reason="daemon shutdown")
 
-    async def _evict(self, name: str, reason: str) -> None:
-        """Unload ``name`` to make room, or once it has expired (gone meanwhile: nothing)."""
-        with contextlib.suppress(RequestError):  # it went away meanwhile
+    async def _evict(self, name: str, reason: str) -> bool:
+        """Unload ``name`` to make room, or once it has expired; False when it
+        had gone meanwhile (nothing was unloaded)."""
+        try:
             await self.unload(name, reason=reason)
+        except RequestError:  # it went away meanwhile
+            return False
+        return True

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import anyio
+import msgspec
 
 from ipc import ChannelClosed
 from ipc.messages import NO_MODEL_LOADED as NO_MODEL
@@ -29,13 +30,16 @@ from ipc.messages import (
 )
 from ipc.messages import Cancel as CancelCommand
 from supervisor.config import SupervisorConfig
-from supervisor.metrics import Metrics
+from supervisor.metrics import Front, Metrics
+from supervisor.registry.defaults import with_model_defaults, with_system_prompt
 from supervisor.registry.entries import (
     ModelEntry,
     QueueListener,
     RequestError,
     Waiter,
     entry_named,
+    find_entry,
+    refuse_if_removed,
 )
 from supervisor.runners.exits import ended_by_failed_step
 from supervisor.runners.protocol import Runner
@@ -130,6 +134,7 @@ class RequestRelay:
                 handle = await entry.wait_ready()
         except TimeoutError:
             raise RequestError("not_ready", f"{entry.name} was not ready in time") from None
+        messages = with_system_prompt(messages, entry.spec.system_prompt)  # as generate sends
         request_id = next(self._request_ids)
         waiter = handle.expect(TokenCount, request_id)
         try:
@@ -158,14 +163,21 @@ class RequestRelay:
         emit: Emit,
         cancel: anyio.Event,
         on_queued: QueueListener | None = None,
+        *,
+        front: Front = "socket",
     ) -> None:
         """Run one generation on the named model (see :meth:`_generate`), and
-        count it in ``metrics``: its outcome, tokens and time to first text.
+        count it in ``metrics``: its outcome (under the ``front`` it came in
+        by), tokens, time to first text and between tokens.
 
         Raises:
             RequestError: unknown model, timed out, runner died, or failed.
         """
-        record = self.metrics.request(request.name if request.name in self.entries else None)
+        found = find_entry(self.entries, request.name)
+        if found is not None and found.name != request.name:  # an alias: the model's own name
+            request = msgspec.structs.replace(request, name=found.name)
+        known = request.name if request.name in self.entries else None
+        record = self.metrics.request(known, front)
 
         async def emit_recorded(event: TextChunk | GenerationDone, body: bytes | None) -> None:
             record.observe(event)
@@ -188,7 +200,9 @@ class RequestRelay:
     ) -> None:
         """Run one generation on the named model, passing each frame to ``emit``.
 
-        Waits its turn behind earlier requests to the same model, and through
+        The model's configured defaults fill in what the request leaves
+        unset (sampling, a chat's system prompt). Waits its turn behind
+        earlier requests to the same model, and through
         a load or restart, up to ``queue_timeout_s``; ``on_queued`` hears its
         place in line while it waits. More than ``max_queue`` waiting: error
         ``busy`` at once. Setting ``cancel`` stops
@@ -209,6 +223,8 @@ class RequestRelay:
             raise RequestError("bad_request", f"stop takes up to {MAX_STOP_STRINGS} strings "
                                f"of 1 to {MAX_STOP_CHARS} characters")  # fmt: skip
         entry = entry_named(self.entries, request.name)
+        refuse_if_removed(entry)
+        request = with_model_defaults(request, entry.spec)  # the config's, as it is now
         try:
             await self._generate_with_retry(entry, request, emit, cancel, on_queued)
         finally:

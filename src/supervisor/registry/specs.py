@@ -27,7 +27,7 @@ def derive_name(model: str) -> str:
 
 
 def merge_spec(config: SupervisorConfig, request: LoadRequest) -> ModelConfig:
-    """Merge a load request with ``config``'s settings for that name.
+    """Merge a load request with ``config``'s settings for that name (or alias).
 
     Raises:
         RequestError: a value out of the config's ranges (bad_request); the
@@ -37,6 +37,8 @@ def merge_spec(config: SupervisorConfig, request: LoadRequest) -> ModelConfig:
     """
     name = request.name or derive_name(request.model)
     configured = config.model_config(name)
+    if configured is not None:
+        name = configured.name  # a configured alias loads the model under its own name
     env = {**(configured.env if configured else {}), **request.env}
     fields: dict[str, Any] = msgspec.to_builtins(configured) if configured else {}
     fields.pop("preload", None)

@@ -23,8 +23,10 @@ from ipc.messages import (
     Ready,
 )
 from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.events import EventHub
 from supervisor.memory.admission import AdmissionRefused
 from supervisor.memory.monitor import MemoryMonitor
+from supervisor.metrics import Metrics
 from supervisor.registry.admitting import Admitter
 from supervisor.registry.entries import ModelEntry
 from supervisor.registry.processes import RunnerProcesses
@@ -61,6 +63,8 @@ class Supervision:
         counters: the registry's counters.
         on_change: called after a change worth persisting.
         idle_changed: called when a model becomes ready (keep-alive counts from then).
+        metrics: where each model's runner deaths count, by cause class.
+        events: where loads, deaths and restarts are published.
     """
 
     def __init__(
@@ -72,6 +76,8 @@ class Supervision:
         counters: Counter[str],
         on_change: Callable[[], None],
         idle_changed: Callable[[], None],
+        metrics: Metrics,
+        events: EventHub,
     ) -> None:
         self.config = config
         self.processes = processes
@@ -80,6 +86,8 @@ class Supervision:
         self.counters = counters
         self.on_change = on_change
         self.idle_changed = idle_changed
+        self.metrics = metrics
+        self.events = events
 
     async def supervise(self, entry: ModelEntry) -> None:
         """Own the model's runners, one after another, until it is unloaded or
@@ -107,6 +115,7 @@ class Supervision:
         reason = "load"
         floor_bytes = 0  # after a memory death: what the dead runner reached
         while True:
+            entry.take_next_spec()  # a reload's kv_bits, reference, ... from this load on
             try:  # an unload meanwhile cuts the wait for admission short
                 await wait_unless(
                     entry.stop_requested,
@@ -134,9 +143,19 @@ class Supervision:
             entry.last_exit = exit_info
             if entry.stop_requested.is_set():
                 return
-            entry.log.warning("runner_died", cause=exit_info.cause,
-                              cause_class=exit_info.cause_class)  # fmt: skip
-            self.counters[f"deaths_{exit_info.cause_class}"] += 1
+            if entry.handle is None:  # no runner started: no death, no pid
+                entry.log.warning("runner_start_failed", error=exit_info.cause)
+                self.events.publish("runner_start_failed", entry.name, pid=None,
+                                    error=exit_info.cause)  # fmt: skip
+            else:
+                entry.log.warning("runner_died", cause=exit_info.cause,
+                                  cause_class=exit_info.cause_class)  # fmt: skip
+                self.counters[f"deaths_{exit_info.cause_class}"] += 1
+                self.metrics.runner_died(entry.name, exit_info.cause_class)
+                self.events.publish("runner_died", entry.name, pid=entry.handle.pid,
+                                    cause=exit_info.cause, cause_class=exit_info.cause_class,
+                                    code=exit_info.code, signal=exit_info.signal,
+                                    rank=exit_info.rank)  # fmt: skip
             reason = f"restart after {exit_info.cause_class}"
             if exit_info.cause_class in MEMORY_CAUSES:  # never restart into the same wall
                 audit = exit_info.audit
@@ -151,12 +170,15 @@ class Supervision:
             decision = entry.tracker.decide(exit_info, time.monotonic())
             if decision.delay_s is None:
                 entry.log.error("restart_refused", reason=decision.reason)
+                self.events.publish("restart_refused", entry.name, reason=decision.reason)
                 if decision.budget_spent:
                     entry.failure = decision.reason
                     entry.move("failed")
                     self.counters["failed"] += 1
                 return
             entry.log.warning("restart_scheduled", reason=decision.reason)
+            self.events.publish("restart_scheduled", entry.name, reason=decision.reason,
+                                delay_s=decision.delay_s, restarts=entry.restarts)  # fmt: skip
             entry.next_restart_at = time.time() + decision.delay_s
             entry.move("restarting")
             with anyio.move_on_after(decision.delay_s):  # the backoff, cut short by unload
@@ -170,6 +192,7 @@ class Supervision:
 
     async def _run_runner(self, entry: ModelEntry) -> ExitInfo:
         """Start a runner for the entry, load the model, and wait for its end."""
+        entry.handle = None  # the last runner's is gone: none until this one starts
         try:
             handle = await self.processes.obtain(entry.spec)
         except RunnerStartError as exc:
@@ -200,12 +223,16 @@ class Supervision:
         spec = entry.spec
         faults = spec.env.get(FAULTS_ENV, "")
         max_tokens = spec.max_tokens or self.config.max_tokens
+        entry.max_tokens_cap = max_tokens
         engine = engine_settings(self.config, spec)
         entry.slots.total_tokens = engine.max_concurrent
         await handle.send(LoadModel(spec.name, spec.model, max_tokens, faults, entry.plan, engine))
         while True:
             event = await handle.next_event()
             if isinstance(event, LoadProgress):
+                self.events.publish("model_loading", spec.name, pid=handle.pid, phase=event.phase,
+                                    done=event.done, total=event.total,
+                                    active_bytes=event.active_bytes, rank=event.rank)  # fmt: skip
                 for listener in entry.progress_listeners:
                     listener(event)  # never blocks: the connection writes it
             elif isinstance(event, Ready):
@@ -226,6 +253,9 @@ class Supervision:
                     entry.touch()
                     entry.move("ready")
                     entry.log.info("model_ready", restarts=entry.restarts)
+                    self.events.publish("model_ready", spec.name, pid=handle.pid,
+                                        restarts=entry.restarts, load_s=event.load_s,
+                                        param_bytes=event.param_bytes)  # fmt: skip
                     self.idle_changed()
                 entry.loaded.set()
                 return

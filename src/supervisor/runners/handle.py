@@ -23,9 +23,11 @@ import subprocess
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import Process, TaskGroup
 
@@ -68,11 +70,110 @@ from supervisor.runners.spawn import spawn_runner
 from supervisor.runners.watchdog import StallWatchdog
 from supervisor.system import process_create_time, process_rss, process_state
 
-__all__ = ["RunnerHandle", "RunnerStartError"]
+__all__ = ["RUNNER_LOGS", "RunnerHandle", "RunnerLogLine", "RunnerLogs", "RunnerStartError"]
+
+RUNNER_LOG_LINES = 200  # lines the dashboard keeps of each model's runners
+RUNNER_LOG_MODELS = 64  # models whose lines are kept (the one heard from longest ago goes first)
 
 
 class RunnerStartError(Exception):
     """The runner could not be started or failed its handshake."""
+
+
+class RunnerLogLine(msgspec.Struct, frozen=True):
+    """One line a runner wrote on stderr: ``seq`` grows by one per line of the
+    daemon (any model's), ``ts`` is unix time when the daemon read it."""
+
+    seq: int
+    ts: float
+    model: str
+    line: str
+
+
+class RunnerLogs:
+    """The last lines each model's runners wrote on stderr, by model name, for
+    the dashboard. Unlike a handle's ``stderr_tail`` they outlive the runner:
+    a restart keeps what the runner before it said. Each line also goes to the
+    listeners (called on the event loop's thread: they must not block).
+
+    Args:
+        lines_per_model: lines kept of each model.
+        models: models whose lines are kept; past it, the model heard from
+            longest ago is forgotten.
+        clock: unix time now.
+    """
+
+    def __init__(
+        self,
+        lines_per_model: int = RUNNER_LOG_LINES,
+        models: int = RUNNER_LOG_MODELS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._lines_per_model = lines_per_model
+        self._models = models
+        self._clock = clock
+        self._by_model: dict[str, deque[RunnerLogLine]] = {}
+        self._recent: deque[RunnerLogLine] = deque(maxlen=lines_per_model * 4)
+        self._listeners: list[Callable[[], None]] = []
+        self.last_seq = 0
+
+    def add(self, model: str, line: str) -> None:
+        """Keep ``line`` as model ``model``'s latest, and tell the listeners."""
+        self.last_seq += 1
+        entry = RunnerLogLine(self.last_seq, self._clock(), model, line)
+        lines = self._by_model.pop(model, None)  # re-inserted last: the most recently heard
+        if lines is None:
+            lines = deque(maxlen=self._lines_per_model)
+            if len(self._by_model) >= self._models:
+                del self._by_model[next(iter(self._by_model))]
+        lines.append(entry)
+        self._by_model[model] = lines
+        self._recent.append(entry)
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:  # a reader's fault is its own: never the runner's relay
+                structlog.get_logger("supervisor.runner").exception("runner_log_listener_failed")
+                self._listeners.remove(listener)
+
+    def tail(self, model: str) -> list[RunnerLogLine]:
+        """Model ``model``'s kept lines, oldest first (none for a model not heard from)."""
+        return list(self._by_model.get(model, ()))
+
+    def after(self, seq: int) -> tuple[list[RunnerLogLine], int]:
+        """Every model's lines after ``seq``, oldest first, as far as the
+        recent ones reach; and how many after ``seq`` are no longer held."""
+        newer: list[RunnerLogLine] = []
+        for entry in reversed(self._recent):
+            if entry.seq <= seq:
+                break
+            newer.append(entry)
+        newer.reverse()
+        first = newer[0].seq if newer else self.last_seq + 1
+        return newer, max(0, first - seq - 1)
+
+    def listen(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` after each new line; returns what stops it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+
+RUNNER_LOGS: ContextVar[RunnerLogs | None] = ContextVar("runner_logs", default=None)
+"""Where the handles made in this context record their runners' lines (the
+daemon sets it before its task group starts, so every task it starts sees
+it; unset, as in a registry made by a test, nothing is recorded)."""
+
+
+class LoggedTail(deque[str]):
+    """A handle's ``stderr_tail`` that also hands each line to ``record``."""
+
+    def __init__(self, maxlen: int, record: Callable[[str], None]) -> None:
+        super().__init__(maxlen=maxlen)
+        self._record = record
+
+    def append(self, line: str, /) -> None:
+        super().append(line)
+        self._record(line)
 
 
 class RunnerHandle:
@@ -113,6 +214,10 @@ class RunnerHandle:
         self.watchdog = StallWatchdog(self, config)
         self._event_fd: int | None = None
         self.stderr_tail: deque[str] = deque(maxlen=config.runner_stderr_lines)
+        logs = RUNNER_LOGS.get()
+        if logs is not None:  # the daemon's dashboard keeps more, under the model's name
+            self.stderr_tail = LoggedTail(config.runner_stderr_lines,
+                                          lambda line: logs.add(self.spec.name, line))  # fmt: skip
         # Memory as last reported (pongs, heartbeats, load progress) and measured.
         self.memory = MemoryFigures()
         self.rss_bytes: int | None = None

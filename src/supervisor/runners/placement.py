@@ -4,10 +4,12 @@ hostfile with it when it loads, the group places its ranks with it."""
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import re
 import socket
-from pathlib import Path
+import stat
 from typing import Protocol
 
 import msgspec
@@ -15,6 +17,8 @@ import msgspec
 __all__ = ["LOOPBACK", "Place", "free_ports", "group_places", "is_group", "local_names"]
 
 LOOPBACK = "127.0.0.1"
+MAX_HOSTFILE_BYTES = 1 << 20
+"""A hostfile lists a few hosts: one larger than this is refused unread."""
 SSH_DESTINATION = re.compile(r"[A-Za-z0-9_.:\[\]%][A-Za-z0-9_.:\[\]%@-]*")
 """A host (``user@host``, an IP): no leading ``-``, no space or shell character."""
 
@@ -64,21 +68,51 @@ def local_names() -> frozenset[str]:
     return frozenset({"localhost", "127.0.0.1", "::1", name, name.split(".")[0], socket.getfqdn()})
 
 
+def read_hostfile(path: str) -> bytes:
+    """The bytes of the hostfile at ``path``, which must be a regular file
+    of at most :data:`MAX_HOSTFILE_BYTES`. Opened without blocking and
+    checked before it is read: a FIFO would block the reader until someone
+    writes to it, a device (``/dev/zero``) or a huge file would fill memory.
+
+    Raises:
+        OSError: it cannot be opened or read, or it is no such file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if info.st_size > MAX_HOSTFILE_BYTES:
+            raise OSError(errno.EFBIG, f"over {MAX_HOSTFILE_BYTES} bytes ({info.st_size})")
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(MAX_HOSTFILE_BYTES + 1)  # it may have grown since the fstat
+    finally:
+        os.close(fd)
+    if len(data) > MAX_HOSTFILE_BYTES:
+        raise OSError(errno.EFBIG, f"over {MAX_HOSTFILE_BYTES} bytes")
+    return data
+
+
 def group_places(spec: RankSpec) -> list[Place]:
     """Where each rank of ``spec`` runs: ``ranks`` on loopback, or one per
     entry of its hostfile (accepted as a list or as ``{"hosts": [...]}``).
+    Reads the hostfile (:func:`read_hostfile`: never blocks on a FIFO):
+    an async caller runs it in a worker thread (a slow disk).
 
     Raises:
-        ValueError: an unreadable hostfile, fewer than 2 ranks (the ring
-            would connect to itself), or ``ranks`` that disagrees with it.
+        ValueError: an unreadable hostfile (or one that is not a small
+            regular file), fewer than 2 ranks (the ring would connect to
+            itself), or ``ranks`` that disagrees with it.
     """
     if spec.hostfile is None:
         return [Place(None, LOOPBACK) for _ in range(spec.ranks or 1)]
     try:
-        raw = msgspec.json.decode(Path(spec.hostfile).read_bytes())
+        raw = msgspec.json.decode(read_hostfile(spec.hostfile))
         listed = raw["hosts"] if isinstance(raw, dict) else raw
         entries = msgspec.convert(listed, list[HostEntry])
-    except (OSError, KeyError, TypeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except OSError as exc:
+        raise ValueError(f"cannot read hostfile {spec.hostfile}: {exc.strerror or exc}") from None
+    except (KeyError, TypeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"cannot read hostfile {spec.hostfile}: {exc}") from None
     if len(entries) < 2:
         raise ValueError(f"hostfile {spec.hostfile} lists {len(entries)} host(s); a group needs 2")

@@ -18,6 +18,7 @@ import anyio
 from anyio.abc import Process
 
 from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.runners.blas import runner_blas_env
 
 __all__ = ["Spawned", "spawn_runner", "ssh_argv"]
 
@@ -54,6 +55,7 @@ async def spawn_runner(spec: ModelConfig, config: SupervisorConfig, host: str | 
         OSError, ValueError, subprocess.SubprocessError: it could not be
             started (every pipe is closed again).
     """
+    env = {**os.environ, **runner_blas_env(config.cpu_blas), **spec.env, "PYTHONUNBUFFERED": "1"}
     command_r, command_w = os.pipe()
     try:
         event_r, event_w = os.pipe()
@@ -61,7 +63,6 @@ async def spawn_runner(spec: ModelConfig, config: SupervisorConfig, host: str | 
         os.close(command_r)
         os.close(command_w)
         raise
-    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
     argv = [
         sys.executable, "-m", "runner",
         "--read-fd", str(command_r),

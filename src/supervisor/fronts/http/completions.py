@@ -175,11 +175,14 @@ class Completions:
         whole at the end. A client that leaves cancels it in the runner; so
         does the model's first tool call when the request allows only one
         (``parallel_tool_calls`` false): the answer ends there."""
-        max_tokens = call.max_tokens or entry.spec.max_tokens or self.config.max_tokens
+        # Unasked, up to the cap its runner was loaded with (a reload's waits for its next load).
+        cap = entry.max_tokens_cap or entry.spec.max_tokens or self.config.max_tokens
+        max_tokens = call.max_tokens or cap
+        length_given = ("max_tokens",) if call.max_tokens is not None else ()
         request = GenerateRequest(
             name=entry.name, prompt=call.prompt, messages=call.messages,
             sampling=msgspec.structs.replace(call.sampling, max_tokens=max_tokens),
-            chat=call.options,
+            chat=call.options, sampling_given=(*call.sampling_given, *length_given),
         )  # fmt: skip
         answer = dialect.answer(call, entry.name)
         limit_calls = 1 if call.single_tool_call else None
@@ -209,7 +212,8 @@ class Completions:
                 await queued.forward(lambda position: writer.comment(f"queued {position}"))
 
         await beside(tell_place, functools.partial(
-            self.registry.generate, request, emit, cancel, on_queued=queued.put
+            self.registry.generate, request, emit, cancel, on_queued=queued.put,
+            front=dialect.front,
         ))  # fmt: skip
         if writer.gone or (cancel.is_set() and not cut):
             return  # the client left: nothing to write

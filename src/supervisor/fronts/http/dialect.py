@@ -18,6 +18,7 @@ from starlette.requests import Request
 
 from ipc.messages import ChatMessage, ChatOptions, GenerationDone, SamplingParams, TextChunk
 from supervisor.fronts.http.streaming import Framing
+from supervisor.metrics import Front
 
 
 class CompletionCall(msgspec.Struct, kw_only=True):
@@ -30,7 +31,10 @@ class CompletionCall(msgspec.Struct, kw_only=True):
     keep-alive as it is (the other APIs); otherwise the request restarts the
     model's idle timer, and from then on the model is unloaded after that
     long idle, at once after this answer when 0, never when negative, or as
-    its config says (``"default"``: a request that gives none)."""
+    its config says (``"default"``: a request that gives none).
+    ``sampling_given``: the sampling fields the body set (SamplingParams'
+    names, ``max_tokens`` aside): the model's configured defaults fill in
+    the others."""
 
     chat: bool
     model: str
@@ -38,6 +42,7 @@ class CompletionCall(msgspec.Struct, kw_only=True):
     prompt: str | None
     max_tokens: int | None
     sampling: SamplingParams
+    sampling_given: tuple[str, ...] = ()
     options: ChatOptions = ChatOptions()
     stream: bool
     include_usage: bool = False
@@ -76,6 +81,7 @@ class Dialect(Protocol):
     """One API's translation onto the request path."""
 
     framing: Framing
+    front: Front  # its name in the metrics
 
     async def parse(self, request: Request) -> CompletionCall:
         """The checked call the request's body asks for.

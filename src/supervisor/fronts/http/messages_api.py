@@ -51,6 +51,8 @@ from supervisor.fronts.http.openai_requests import MaxTokens, Strict, Unit, bad,
 from supervisor.fronts.http.requests import ApiKey, guarded, read_json
 from supervisor.fronts.http.routes import InfoRoutes
 from supervisor.fronts.http.streaming import Framing
+from supervisor.metrics import Front
+from supervisor.registry.defaults import given
 from supervisor.registry.registry import MAX_STOP_CHARS, MAX_STOP_STRINGS, RequestError
 
 T = TypeVar("T")
@@ -406,6 +408,7 @@ def messages_call(body: MessagesRequest) -> MessagesCall:
     return MessagesCall(
         chat=True, model=body.model, messages=chat_messages(body), prompt=None,
         max_tokens=body.max_tokens, sampling=sampling, options=options,
+        sampling_given=given(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stream=bool(body.stream), single_tool_call=single, show_thinking=shown,
         context_management=body.context_management is not None,
     )  # fmt: skip
@@ -418,6 +421,7 @@ class Messages:
     """``POST /v1/messages``."""
 
     framing: Framing = ANTHROPIC
+    front: Front = "anthropic"
 
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config

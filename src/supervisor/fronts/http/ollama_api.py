@@ -53,6 +53,7 @@ from supervisor.fronts.http.requests import ApiKey, Handler, guarded, read_json
 from supervisor.fronts.http.routes import InfoRoutes
 from supervisor.fronts.http.streaming import Framing, ndjson
 from supervisor.fronts.model_facts import ModelFacts, model_facts
+from supervisor.metrics import Front
 
 log = structlog.get_logger("supervisor.http")
 
@@ -255,6 +256,7 @@ class ReadCall:
     dialect's shapes."""
 
     framing: Framing = OLLAMA
+    front: Front = "ollama"
 
     def __init__(self, dialect: OllamaRequests, call: OllamaCall) -> None:
         self.dialect = dialect
@@ -325,6 +327,12 @@ class OllamaInfo:
         for model in self._listed():
             if name in (model.name, model.reference):
                 return model.reference
+        entry = self.completions.registry.find(name)  # an alias
+        if entry is not None:
+            return entry.spec.model
+        configured = self.config.model_config(name)
+        if configured is not None:
+            return configured.model
         return name if self.config.load_on_demand == "any" else None
 
     async def _described(self, name: str, reference: str) -> dict[str, Any]:
@@ -341,10 +349,17 @@ class OllamaInfo:
         }
 
     async def tags(self, request: Request) -> Response:
-        models = [{**await self._described(m.name, m.reference),
+        """Every model, and each alias as a model of its own (as a copy made
+        by ``ollama cp`` shows)."""
+        models = [{**await self._described(name, m.reference),
                    "modified_at": rfc3339(m.modified_at)}
-                  for m in self._listed()]  # fmt: skip
+                  for m in self._listed() for name in (m.name, *self._aliases(m.name))]  # fmt: skip
         return json_response({"models": models})
+
+    def _aliases(self, name: str) -> list[str]:
+        """The aliases of the model ``name`` (a model's aliases are its config's)."""
+        configured = self.config.model_config(name)
+        return list(configured.aliases) if configured and configured.name == name else []
 
     async def ps(self, request: Request) -> Response:
         models = []

@@ -50,6 +50,7 @@ from supervisor.fronts.http.openai_requests import (
     tool_names,
 )
 from supervisor.fronts.http.streaming import ndjson
+from supervisor.registry.defaults import given
 
 THINK_LEVELS = ("low", "medium", "high")
 ROLES = ("system", "user", "assistant", "tool")
@@ -403,9 +404,15 @@ def ollama_call(
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     options = ChatOptions(tools=tools, response_format=response_format(body.format),
                           chat_template_kwargs=template_kwargs(body.think))  # fmt: skip
+    opts = body.options or Options()
+    chosen = given(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
+                   min_p=opts.min_p, repetition_penalty=opts.repeat_penalty,
+                   presence_penalty=opts.presence_penalty,
+                   frequency_penalty=opts.frequency_penalty, seed=opts.seed,
+                   max_tokens=opts.num_predict)  # fmt: skip
     return OllamaCall(
         chat=messages is not None, model=body.model, messages=messages, prompt=prompt,
-        max_tokens=max_tokens, sampling=sampling, options=options,
+        max_tokens=max_tokens, sampling=sampling, sampling_given=chosen, options=options,
         stream=body.stream is not False, keep_alive_s=keep_alive_seconds(body.keep_alive),
         received_at=received_at,
     )  # fmt: skip

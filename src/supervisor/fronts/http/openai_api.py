@@ -18,12 +18,14 @@ from supervisor.fronts.http.openai_requests import (
 )
 from supervisor.fronts.http.requests import read_json
 from supervisor.fronts.http.streaming import OPENAI, Framing
+from supervisor.metrics import Front
 
 
 class OpenAIChat:
     """``POST /v1/chat/completions``."""
 
     framing: Framing = OPENAI
+    front: Front = "openai"
 
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config
@@ -41,6 +43,7 @@ class OpenAIText:
     """``POST /v1/completions``."""
 
     framing: Framing = OPENAI
+    front: Front = "openai"
 
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config

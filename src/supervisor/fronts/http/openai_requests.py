@@ -28,6 +28,7 @@ from ipc.messages import (
 )
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ApiError
+from supervisor.registry.defaults import given
 from supervisor.registry.registry import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 IGNORED_FIELDS: tuple[str, ...] = (
@@ -364,6 +365,14 @@ def sampling_params(
     )
 
 
+def sampling_given(body: ChatCompletionRequest | CompletionRequest) -> tuple[str, ...]:
+    """The sampling fields the body set (a model's configured defaults fill in the others)."""
+    return given(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                 min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                 presence_penalty=body.presence_penalty,
+                 frequency_penalty=body.frequency_penalty, seed=body.seed)  # fmt: skip
+
+
 def completion_call(body: ChatCompletionRequest | CompletionRequest) -> CompletionCall:
     """The request a chat or text completion's body asks for, checked.
     Raises ApiError."""
@@ -378,6 +387,7 @@ def completion_call(body: ChatCompletionRequest | CompletionRequest) -> Completi
         return CompletionCall(
             chat=True, model=body.model, messages=chat_messages(body.messages), prompt=None,
             max_tokens=body.max_completion_tokens or body.max_tokens, sampling=sampling,
+            sampling_given=sampling_given(body),
             options=chat_options(body), stream=bool(body.stream), include_usage=include_usage,
             single_tool_call=body.parallel_tool_calls is False and bool(body.tools),
         )  # fmt: skip
@@ -389,5 +399,6 @@ def completion_call(body: ChatCompletionRequest | CompletionRequest) -> Completi
     sampling = sampling_params(body, body.logprobs is not None, body.logprobs or 0)
     return CompletionCall(
         chat=False, model=body.model, messages=None, prompt=prompt, max_tokens=body.max_tokens,
-        sampling=sampling, stream=bool(body.stream), include_usage=include_usage,
+        sampling=sampling, sampling_given=sampling_given(body), stream=bool(body.stream),
+        include_usage=include_usage,
     )  # fmt: skip

@@ -56,6 +56,8 @@ from supervisor.fronts.http.responses_replies import (
 )
 from supervisor.fronts.http.routes import InfoRoutes
 from supervisor.fronts.http.streaming import Framing
+from supervisor.metrics import Front
+from supervisor.registry.defaults import given
 
 T = TypeVar("T")
 
@@ -461,6 +463,7 @@ def responses_call(body: ResponsesRequest) -> ResponsesCall:
     return ResponsesCall(
         chat=True, model=body.model, messages=chat_messages(body), prompt=None,
         max_tokens=body.max_output_tokens, sampling=sampling, options=options, stream=stream,
+        sampling_given=given(temperature=body.temperature, top_p=body.top_p),
         single_tool_call=body.parallel_tool_calls is False and bool(tools),
         events=ResponseEvents(body.model, echo(body, sampling, tools), stream),
     )  # fmt: skip
@@ -470,6 +473,7 @@ class ResponsesDialect:
     """``POST /v1/responses``."""
 
     framing: Framing = RESPONSES
+    front: Front = "responses"
 
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config

@@ -1,6 +1,7 @@
 """The HTTP front's routes besides completions: ``GET /v1/models`` and
 ``/v1/models/{model}`` (loaded models, then configured ones, each with its
-context length when its files say it), ``GET /health``
+context length when its files say it, and each alias of a model as a model
+of its own), ``GET /health``
 (a one-line summary, 503 while shutting down) and ``GET /metrics``
 (Prometheus)."""
 
@@ -86,7 +87,17 @@ class InfoRoutes:
                     "model": model.model, "state": "not_loaded", "configured": True,
                     "pid": None, "restarts": 0,
                 })  # fmt: skip
-        return objects
+        return [alias for obj in objects for alias in self._with_aliases(obj)]
+
+    def _with_aliases(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
+        """``obj``, then one object per alias of its model: clients know a
+        model only by an ``id`` from this list (a picker, a check of the
+        name), so each alias is listed as one, with ``alias_of`` its model."""
+        configured = self.config.model_config(obj["id"])  # a model's aliases are its config's
+        aliases = configured.aliases if configured and configured.name == obj["id"] else []
+        obj["aliases"] = list(aliases)
+        return [obj, *({**obj, "id": alias, "alias_of": obj["id"], "aliases": []}
+                       for alias in aliases)]  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:
         body = {"object": "list", "data": await self._model_objects()}

@@ -7,7 +7,9 @@ registry: OpenAI's ``GET /v1/models``, ``POST /v1/chat/completions`` and
 (:mod:`~supervisor.fronts.http.messages_api`); OpenAI's ``POST
 /v1/responses`` (:mod:`~supervisor.fronts.http.responses_api`); Ollama's
 ``/api/*`` (:mod:`~supervisor.fronts.http.ollama_api`); ``GET /health`` and
-``GET /metrics``. Every generating route is one dialect of the one request
+``GET /metrics``; the management API under ``/admin``
+(:mod:`~supervisor.fronts.http.admin`); the dashboard at ``GET /``
+(:mod:`~supervisor.fronts.http.dashboard`). Every generating route is one dialect of the one request
 path (:mod:`~supervisor.fronts.http.completions`). The server itself runs in the daemon's
 task group; each request runs in an asyncio task of uvicorn's own, which
 uvicorn cancels when it shuts down: :meth:`HttpFront.stop` gives open
@@ -46,13 +48,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ipc.messages import StatusReply
 from supervisor.config import SupervisorConfig
 from supervisor.fronts.http import messages_api, ollama_api, responses_api
+from supervisor.fronts.http.admin import AdminRoutes, Reload, route_label
 from supervisor.fronts.http.completions import Completions
+from supervisor.fronts.http.dashboard import Dashboard
 from supervisor.fronts.http.errors import routing_error
 from supervisor.fronts.http.guard import HttpGuard
 from supervisor.fronts.http.requests import ApiKey, guarded
 from supervisor.fronts.http.routes import InfoRoutes
 from supervisor.netaddr import is_loopback
 from supervisor.registry.registry import Registry
+from supervisor.runners.handle import RunnerLogs
 
 log = structlog.get_logger("supervisor.http")
 
@@ -65,7 +70,9 @@ class HttpFront:
     Args:
         registry: the models.
         config: the daemon config (api_key, load_on_demand, limits).
-        status: the daemon's status, for ``/metrics`` and ``/health``.
+        status: the daemon's status, for ``/metrics``, ``/health`` and ``/admin/status``.
+        reload: the daemon's config reload, for ``POST /admin/reload``.
+        runner_logs: the runners' lines the dashboard shows (the daemon's).
     """
 
     def __init__(
@@ -73,6 +80,8 @@ class HttpFront:
         registry: Registry,
         config: SupervisorConfig,
         status: Callable[[], StatusReply],
+        reload: Reload | None = None,
+        runner_logs: RunnerLogs | None = None,
     ) -> None:
         self.registry = registry
         self.config = config
@@ -85,6 +94,8 @@ class HttpFront:
         key = ApiKey(config.api_key)
         info = InfoRoutes(registry, config, status)
         self.completions = Completions(registry, config, key)
+        self.admin = AdminRoutes(registry, config, status, reload)
+        self.dashboard = Dashboard(registry, config, status, self.admin.key, runner_logs)
         routes = [
             Route("/v1/models", guarded(info.list_models, key), methods=["GET"]),
             Route("/v1/models/{model:path}", guarded(info.get_model, key), methods=["GET"]),
@@ -95,6 +106,8 @@ class HttpFront:
             *messages_api.routes(self.completions, info, key),
             *responses_api.routes(self.completions, info, key),
             *ollama_api.routes(self.completions, info, key),
+            *self.admin.routes(),
+            *self.dashboard.routes(),  # GET /: the page
         ]
         self.paths = frozenset(route.path for route in routes if "{" not in route.path)
         starlette = Starlette(routes=routes, exception_handlers={HTTPException: routing_error})
@@ -172,6 +185,8 @@ class HttpFront:
                 route = path if path in self.paths else "other"
                 if path.startswith("/v1/models/"):
                     route = "/v1/models/{model}"
+                elif path.startswith("/admin/models/"):
+                    route = route_label(path)
                 code = str(status[0]) if status[0] else "none"  # the client left first
                 self.metrics.http_requests.labels(route, code).inc()
                 level = log.info if path.startswith(("/v1/", "/api/")) else log.debug
