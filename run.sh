@@ -75,6 +75,11 @@ case "$command" in
     # the browser test: `brew install --cask chromium` and
     # MLX_SUPERVISOR_CHROMIUM="/Applications/Chromium.app/Contents/MacOS/Chromium".
     packages="chromium libopenblas0-pthread"
+    if [ "$(uname -s)" = Darwin ]; then
+      echo "run.sh system: on a Mac, for the browser test: brew install --cask chromium, then" >&2
+      echo "  export MLX_SUPERVISOR_CHROMIUM=/Applications/Chromium.app/Contents/MacOS/Chromium" >&2
+      exit 0
+    fi
     if ! command -v apt-get >/dev/null 2>&1; then
       echo "run.sh system: no apt-get here; install by hand: $packages" >&2
       exit 0

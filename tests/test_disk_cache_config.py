@@ -196,7 +196,12 @@ def test_cache_clear_disk_only_reaches_the_runner_and_the_log(
     assert re.fullmatch(r"tiny: prefix cache cleared \(\d+ blocks, [\d.]+ \w+ on disk\)\n",
                         done.stdout), done.stdout  # fmt: skip
     cleared = client.clear_cache("tiny")
-    records = daemon.events("prefix_cache_cleared")
-    (disk_only, both) = [r for r in records if r.get("source") != "runner"]  # the daemon's own
+
+    def daemons_own() -> list[dict[str, object]]:
+        return [r for r in daemon.events("prefix_cache_cleared") if r.get("source") != "runner"]
+
+    # The reply can come before our reader thread has read the daemon's log line.
+    daemon.wait_until(lambda: len(daemons_own()) == 2, timeout_s=10)
+    (disk_only, both) = daemons_own()
     assert (disk_only["disk_only"], both["disk_only"]) == (True, False)
     assert (both["disk_entries"], both["disk_bytes"]) == (cleared.disk_entries, cleared.disk_bytes)

@@ -42,6 +42,8 @@ async function keyFor(kind) {
 function askKey(kind, wrong) {
   if (keys.same) kind = "admin";
   if (keys.asking && keys.asking.kind === kind) return keys.asking.promise;
+  // Another kind is being asked for: this question waits for that answer.
+  if (keys.asking) return keys.asking.promise.then(() => askKey(kind, wrong));
   sessionStorage.removeItem(KEY_STORE[kind]);
   let resolve;
   const promise = new Promise((r) => { resolve = r; });
@@ -58,6 +60,7 @@ function askKey(kind, wrong) {
     const value = $("key-input").value.trim();
     if (!value) return;
     sessionStorage.setItem(KEY_STORE[kind], value);
+    $("key-input").value = "";  // the key does not stay in the page
     $("key-panel").hidden = true;
     keys.asking = null;
     resolve(value);
@@ -134,7 +137,17 @@ async function readEvents(response, onEvent) {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
-// One live stream, opened again when it ends (after the server's retry delay).
+// Whether `err` is the network's (fetch or a read failed, the stream was
+// aborted) rather than the page's own bug.
+function networkError(err) {
+  return (err instanceof TypeError && /fetch|network/i.test(err.message)) ||
+    err?.name === "AbortError" || err?.name === "NetworkError";
+}
+
+const BACKOFF_MAX_MS = 60_000;
+
+// One live stream, opened again when it ends: after the server's retry delay
+// (2 s), doubled on each try that got no event, up to a minute, with jitter.
 class Feed {
   constructor(name, path, onEvent) {
     this.name = name;
@@ -145,27 +158,47 @@ class Feed {
   }
 
   async run() {
-    let delay = 2000;
+    let base = 2000;
+    let failures = 0;
     for (;;) {
       try {
         const extra = { Accept: "text/event-stream" };
         if (this.lastId !== null) extra["Last-Event-ID"] = this.lastId;
         const response = await call("admin", this.path(this.lastId), { headers: extra });
+        if (response.status === 403) {  // another origin, or not allowed: trying again won't help
+          notice(`${this.name}: ${await errorText(response)}`, true);
+          this.setConnected(false);
+          return;
+        }
+        if (response.status === 401) {  // the daemon wants a key now (restarted with one)
+          keys.needed.admin = true;
+          this.setConnected(false);
+          await askKey("admin", storedKey("admin") !== null);
+          continue;
+        }
         if (!response.ok) {
           notice(`${this.name}: ${await errorText(response)}`, true);
         } else {
           this.setConnected(true);
           const retry = await readEvents(response, (ev) => {
+            failures = -1;  // this try got through: the next wait is the base one again
             if (ev.id !== null) this.lastId = ev.id;
-            this.onEvent(ev);
+            try {
+              this.onEvent(ev);
+            } catch (err) {
+              console.error(`${this.name}: the page failed on a ${ev.event} event:`, err);
+            }
           });
-          if (retry !== null) delay = retry;
+          if (retry !== null) base = retry;
         }
       } catch (err) {
-        // The daemon went away or restarted: try again after the delay.
+        // The daemon went away or restarted: try again after the delay. Anything else is a bug.
+        if (!networkError(err)) console.error(`${this.name}:`, err);
       }
       this.setConnected(false);
-      await sleep(delay);
+      failures += 1;
+      const delay = base * 2 ** Math.max(0, failures - 1) * (0.75 + Math.random() * 0.5);
+      await sleep(Math.min(BACKOFF_MAX_MS, delay));
     }
   }
 
@@ -483,6 +516,10 @@ function onStatusEvent(ev) {
     state.spanS = data.span_s;
     state.points = data.points;
     queueChart();
+    // A new stream (a reconnect, maybe to a restarted daemon whose line numbers start
+    // again at 0): the selected model's tail again, lines of the gap included.
+    const model = $("log-lines").dataset.model;
+    if (model) chooseLog(model);
   } else if (ev.event === "memory") {
     state.points.push(...data);
     const from = state.points[state.points.length - 1][0] - state.spanS;
@@ -575,7 +612,7 @@ function logText(line) {
       const { event, level, timestamp, ...rest } = record;
       if (typeof event === "string") {
         const extra = Object.entries(rest).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`);
-        return `${time} ${(level || "info").padEnd(7)} ${event} ${extra.join(" ")}`;
+        return `${time} ${String(level ?? "info").padEnd(7)} ${event} ${extra.join(" ")}`;
       }
     } catch {
       // not a log record: shown as it is
@@ -584,12 +621,17 @@ function logText(line) {
   return `${time} ${line.line}`;
 }
 
+let logPending = null;  // the lines streamed while a tail is fetched, else null
+
 async function chooseLog(model) {
   const pre = $("log-lines");
   $("log-model").value = model;
   pre.dataset.model = model || "";
+  delete pre.dataset.seq;
   pre.replaceChildren();
+  logPending = null;
   if (!model) return;
+  const pending = logPending = [];
   try {
     const response = await call("admin", `/admin/models/${encodeURIComponent(model)}/logs`);
     if (!response.ok) {
@@ -603,10 +645,19 @@ async function chooseLog(model) {
     pre.scrollTop = pre.scrollHeight;
   } catch (err) {
     pre.textContent = `the daemon did not answer: ${err}`;
+  } finally {
+    if (logPending === pending) {  // not superseded: the lines that came meanwhile, after the tail
+      logPending = null;
+      for (const [lines, skipped] of pending) appendLogs(lines, skipped);
+    }
   }
 }
 
 function appendLogs(lines, skipped) {
+  if (logPending !== null) {
+    logPending.push([lines, skipped]);
+    return;
+  }
   const pre = $("log-lines");
   const model = pre.dataset.model;
   const after = Number(pre.dataset.seq || 0);
@@ -630,13 +681,14 @@ async function sendChat(event) {
   const text = $("chat-input").value.trim();
   if (!model || !text || chat.abort) return;
   const log = $("chat-log");
-  chat.messages.push({ role: "user", content: text });
+  const messages = chat.messages;  // this conversation's: "New chat" starts another
+  messages.push({ role: "user", content: text });
   log.append(el("div", { class: "message user" }, text));
   const answer = el("div", { class: "message assistant", "data-model": model });
   log.append(answer);
   $("chat-input").value = "";
   log.dataset.state = "streaming";
-  chat.abort = new AbortController();
+  const abort = chat.abort = new AbortController();
   $("chat-send").disabled = true;
   $("chat-stop").disabled = false;
   let reply = "";
@@ -644,8 +696,8 @@ async function sendChat(event) {
     const response = await call("api", "/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-      body: JSON.stringify({ model, messages: chat.messages, stream: true, max_tokens: 256 }),
-      signal: chat.abort.signal,
+      body: JSON.stringify({ model, messages, stream: true, max_tokens: 256 }),
+      signal: abort.signal,
     });
     if (!response.ok) throw new Error(await errorText(response));
     await readEvents(response, (ev) => {
@@ -659,17 +711,20 @@ async function sendChat(event) {
         log.scrollTop = log.scrollHeight;
       }
     });
-    chat.messages.push({ role: "assistant", content: reply });
-    log.dataset.state = "done";
+    messages.push({ role: "assistant", content: reply });
+    if (messages === chat.messages) log.dataset.state = "done";
   } catch (err) {
-    if (reply) chat.messages.push({ role: "assistant", content: reply });
+    if (reply) messages.push({ role: "assistant", content: reply });
+    if (messages !== chat.messages) return;  // cleared meanwhile: nothing of it is shown
     answer.classList.add("error");
     answer.textContent = `${reply}${reply ? "\n" : ""}[${err.name === "AbortError" ? "stopped" : err.message || err}]`;
     log.dataset.state = err.name === "AbortError" ? "done" : "error";
   } finally {
-    chat.abort = null;
-    $("chat-send").disabled = false;
-    $("chat-stop").disabled = true;
+    if (chat.abort === abort) {
+      chat.abort = null;
+      $("chat-send").disabled = false;
+      $("chat-stop").disabled = true;
+    }
   }
 }
 
