@@ -118,6 +118,7 @@ class Settings:
     concurrent_tokens: int
     cpu_blas: str = "auto"  # our daemon's cpu_blas (supervisor.runners.blas)
     theirs_blas: str = "bundled"  # mlx_lm.server's: mlx's own, or "same" as our runner maps
+    runner_env: tuple[tuple[str, str], ...] = ()  # added to our runner's environment
 
 
 # --- waiting for our runner -------------------------------------------------------------
@@ -414,7 +415,7 @@ def run(s: Settings, results: dict[str, Any], save: Callable[[], None]) -> None:
             httpx.Client(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
         )
         note(f"loading {s.model} ({model_dir}) in our daemon (HTTP {ours_url}) and mlx_lm.server")
-        daemon.client.load(s.model, name)
+        daemon.client.load(s.model, name, env=dict(s.runner_env))
         daemon.settle()
         ours_blas = mapped_blas(runner_pid(daemon.client, name))
         their_env = {}
@@ -464,6 +465,13 @@ def main() -> int:
     parser.add_argument("--theirs-blas", choices=("bundled", "same"), default="bundled",
                         help="mlx_lm.server with mlx's bundled BLAS (as installed), or preloaded "
                              "with the library our runner maps")  # fmt: skip
+    parser.add_argument(
+        "--runner-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="added to our runner's environment (e.g. OPENBLAS_NUM_THREADS=1)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     q = args.quick
@@ -478,6 +486,7 @@ def main() -> int:
         concurrent_tokens=args.concurrent_tokens,
         cpu_blas=args.cpu_blas,
         theirs_blas=args.theirs_blas,
+        runner_env=tuple(tuple(item.split("=", 1)) for item in args.runner_env),  # type: ignore[misc]
     )
     results: dict[str, Any] = {
         "machine": machine_info(mlx_device()),
