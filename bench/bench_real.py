@@ -486,7 +486,7 @@ def main() -> int:
         concurrent_tokens=args.concurrent_tokens,
         cpu_blas=args.cpu_blas,
         theirs_blas=args.theirs_blas,
-        runner_env=tuple(tuple(item.split("=", 1)) for item in args.runner_env),  # type: ignore[misc]
+        runner_env=tuple(tuple(item.split("=", 1)) for item in args.runner_env),
     )
     results: dict[str, Any] = {
         "machine": machine_info(mlx_device()),
