@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, alternate, machine_info, mlx_device, note, write_json
 from runner.builtin import ensure_builtin_model
 from supervisor.figures import median, render_table
-from supervisor.runners.blas import AUTO, BUNDLED, preload_for
+from supervisor.runners.blas import AUTO, preload_for
 
 DEFAULT_OUT = RESULTS_DIR / "blas.json"
 QUESTION = "What is the capital of France?"
@@ -85,8 +85,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    openblas = preload_for(AUTO)
-    if openblas is None or preload_for(BUNDLED) is not None:
+    openblas = preload_for(AUTO)  # None without mlx-cpu's bundled reference BLAS or OpenBLAS
+    if openblas is None:
         note("no bundled reference BLAS or no OpenBLAS here: nothing to compare")
         return 1
     model_dir = ensure_builtin_model(args.model)
