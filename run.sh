@@ -39,11 +39,20 @@ case "$command" in
     ensure_venv
     exec .venv/bin/mlx-supervisor demo "$@"
     ;;
-  test)
+  test|test-slow|test-all)
     ensure_venv
     # Two workers: most tests wait on child processes, so two run side by side even on
     # two cores. TEST_WORKERS=0 runs them in this process (for pdb, or -x).
-    exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"
+    # `test` leaves out the tests marked slow (real-model answers, the short soak and fuzz
+    # runs, slow-prefill timing: about a minute and a half more); `test-slow` runs only
+    # those (CI runs both); `test-all` runs every test at once.
+    case "$command" in
+      test) select="not slow" ;;
+      test-slow) select="slow" ;;
+      *) select="" ;;
+    esac
+    exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal \
+      -m "$select" "$@"
     ;;
   lint)
     ensure_venv
@@ -112,7 +121,7 @@ case "$command" in
       --out bench/results/fuzz.json "$@"
     ;;
   *)
-    echo "usage: bash run.sh demo|test|lint|bench|soak|fuzz [args...]" >&2
+    echo "usage: bash run.sh demo|test|test-slow|test-all|lint|system|bench|soak|fuzz [args...]" >&2
     exit 2
     ;;
 esac

@@ -185,11 +185,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def mlx_lm_server(
-    model_dir: Path, log_path: Path, env: dict[str, str] | None = None
+    model_dir: Path,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> Iterator[int]:
     """``python -m mlx_lm.server --model DIR`` on a free loopback port, with its
-    defaults (``env`` added to its environment); yields the port once ``/health``
-    answers; SIGTERM (then SIGKILL) at exit."""
+    defaults but ``args`` (``env`` added to its environment); yields the port once
+    ``/health`` answers; SIGTERM (then SIGKILL) at exit."""
     port = free_port()
     argv = [
         sys.executable,
@@ -201,6 +204,7 @@ def mlx_lm_server(
         "127.0.0.1",
         "--port",
         str(port),
+        *args,
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -62,6 +62,7 @@ class ScriptedEntry:
     state = "ready"
     active_requests = 0
     max_tokens_cap = None  # the daemon's max_tokens, as for a runner loaded with none of its own
+    estimate = None  # no memory estimate: whether it takes images is the runner's to say
 
     def __init__(self) -> None:
         self.spec = SimpleNamespace(max_tokens=None, keep_alive_s=None, pinned=False)

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from modelfiles import builtin
+from modelfiles import builtin, builtin_tokenizer
 from modelfiles.builtin import (
     BUILTIN_NAMES,
     BUILTIN_PREFIX,
@@ -82,7 +82,10 @@ def _greedy_tokens(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> lis
 
 def test_names() -> None:
     assert BUILTIN_PREFIX == "builtin:"
-    assert BUILTIN_NAMES == ("tiny", "small", "tiny-qwen3", "tiny-qwen3-tools", "smollm2")
+    assert BUILTIN_NAMES == (
+        "tiny", "small", "tiny-qwen3", "tiny-qwen3-tools", "tiny-embed", "small-draft",
+        "spec-target", "spec-draft", "tiny-vision", "smollm2",
+    )  # fmt: skip
     assert is_builtin("builtin:tiny")
     assert is_builtin("builtin:nope")
     assert not is_builtin("mlx-community/Qwen3-0.6B-4bit")
@@ -378,6 +381,42 @@ def test_tiny_qwen3_parameter_bytes_match_the_recipe(
     assert (estimate.weights_source, estimate.weights_bytes) == ("builtin", loaded)
 
 
+def test_spec_pair_is_one_set_of_tensors_and_its_sizes_match_the_recipe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """builtin:spec-draft's tensors are builtin:spec-target's of the same name, whose layers
+    past the first add x0.01 of what small's do; the estimate plans for the files' bytes
+    (built once per machine, as the bench and test_speculative use them)."""
+    import mlx.core as mx
+
+    from conftest import USER_BUILTIN_CACHE
+    from supervisor.memory.estimate import estimate_reference
+
+    target_dir = ensure_builtin_model("builtin:spec-target", USER_BUILTIN_CACHE)
+    draft_dir = ensure_builtin_model("builtin:spec-draft", USER_BUILTIN_CACHE)
+    target = mx.load(str(target_dir / "model.safetensors"))
+    draft = mx.load(str(draft_dir / "model.safetensors"))
+    assert set(draft) < set(target)
+    assert all(bool(mx.array_equal(draft[name], target[name]).item()) for name in draft)
+
+    def rms(name: str) -> float:
+        return float(mx.sqrt(mx.mean(target[name].astype(mx.float32) ** 2)).item())
+
+    for projection in ("self_attn.o_proj", "mlp.down_proj"):
+        loud, quiet = rms(f"model.layers.0.{projection}.weight"), rms(
+            f"model.layers.11.{projection}.weight")  # fmt: skip
+        assert loud == pytest.approx(0.02, rel=0.05) and quiet == pytest.approx(2e-4, rel=0.05)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # asked before either is built there
+    for name, path in (("builtin:spec-target", target_dir), ("builtin:spec-draft", draft_dir)):
+        config, recipe_bytes = builtin.builtin_config_and_weight_bytes(name)
+        assert config == json.loads((path / "config.json").read_text())
+        loaded = target if path == target_dir else draft
+        assert recipe_bytes == sum(array.nbytes for array in loaded.values())
+        estimate = estimate_reference(name)
+        assert estimate is not None
+        assert (estimate.weights_source, estimate.weights_bytes) == ("builtin", recipe_bytes)
+
+
 # --------------------------------------------------------------------------------------------
 # builtin:tiny-qwen3-tools: Qwen3's chat template (fetched) and its thinking and tool-call tags
 # --------------------------------------------------------------------------------------------
@@ -539,7 +578,7 @@ def test_tools_builtin_tokenizer_finds_mlx_lm_parsers(tools_model: tuple[Any, An
     assert call == {"name": "get_weather", "arguments": {"city": "Paris"}}
 
     vocab_size = model.args.vocab_size
-    assert vocab_size == len(tokenizer) == builtin.TOKENIZER_VOCAB_SIZE
+    assert vocab_size == len(tokenizer) == builtin_tokenizer.TOKENIZER_VOCAB_SIZE
     ids = {}
     for tag in builtin.QWEN3_TOOL_TOKENS:
         (ids[tag],) = tokenizer.encode(tag, add_special_tokens=False)  # one token each

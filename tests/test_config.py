@@ -378,3 +378,18 @@ def test_shipped_config_commented_request_defaults_are_valid(tmp_path: Path) -> 
     assert (model.temperature, model.top_p, model.seed) == (0.7, 0.9, 42)
     assert model.default_max_tokens == 1024 and model.max_tokens == 4096
     assert model.system_prompt == "You are a concise assistant."
+
+
+def test_an_image_cap_over_the_frame_limit_is_refused_and_the_default_fits(
+    tmp_path: Path,
+) -> None:
+    from supervisor.fronts.http.images import image_cap, images_budget
+
+    path = tmp_path / "c.toml"
+    path.write_text("max_frame_bytes = 1048576\nmax_image_bytes = 2097152\n")
+    with pytest.raises(ConfigError, match="max_image_bytes") as caught:
+        load_config(path)
+    assert caught.value.key == "max_image_bytes"
+    path.write_text("max_frame_bytes = 131072\n")  # no image key: the default shrinks to fit
+    config = load_config(path)
+    assert image_cap(config) == images_budget(config) < config.max_frame_bytes

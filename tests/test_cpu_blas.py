@@ -126,6 +126,7 @@ def test_a_missing_library_fails_the_load_naming_the_key_and_the_daemon_serves_o
     assert client.status().supervisor.pid == daemon.pid  # still answering
 
 
+@pytest.mark.slow
 @live
 @pytest.mark.timeout(900)  # the first run fetches builtin:smollm2 (93 MB)
 def test_a_real_model_still_answers_paris_with_openblas(

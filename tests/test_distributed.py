@@ -68,6 +68,7 @@ exec /bin/sh -c "$2"
 """
 
 
+@pytest.mark.slow
 def test_requests_back_to_back_on_a_group_all_end_as_they_should(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:

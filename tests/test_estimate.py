@@ -646,7 +646,9 @@ def mlx_tensor_bytes(model_dir: Path) -> int:
     return total
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:small", "builtin:tiny-qwen3"])
+@pytest.mark.parametrize(
+    "model", ["builtin:tiny", "builtin:small", "builtin:tiny-qwen3", "builtin:tiny-embed"]
+)
 def test_builtin_weights_match_the_bytes_mlx_loads(model: str) -> None:
     model_dir = ensure_builtin_model(model)
 
@@ -659,7 +661,11 @@ def test_builtin_weights_match_the_bytes_mlx_loads(model: str) -> None:
     assert abs(estimate.weights_bytes - loaded) <= 0.05 * loaded
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:small", "builtin:tiny-qwen3"])
+@pytest.mark.parametrize(
+    "model",
+    ["builtin:tiny", "builtin:small", "builtin:tiny-qwen3", "builtin:tiny-embed",
+     "builtin:spec-draft"],
+)  # fmt: skip
 def test_builtin_estimate_from_the_recipe_matches_the_built_directory(
     model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -762,6 +768,8 @@ def test_estimate_json_has_exactly_the_documented_keys(tmp_path: Path) -> None:
         "headroom_bytes",
         "kv_bits",
         "kv_group_size",
+        "draft_bytes",
+        "draft_model",
         "planned_bytes",
     }
     assert document["planned_bytes"] == document["total_bytes"] + document["headroom_bytes"]

@@ -59,6 +59,7 @@ def clients(url: str) -> tuple[openai.OpenAI, anthropic.Anthropic, ollama.Client
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the first run fetches builtin:smollm2 (93 MB)
 def test_a_real_model_answers_paris_through_every_front(
     start_daemon: DaemonFactory, smollm2_dir: Path

@@ -801,6 +801,7 @@ def test_the_daemon_loads_a_gguf_file_given_by_a_relative_path(
     assert (info.name, info.state, info.model) == ("tiny", "ready", str(tmp_path / "tiny.gguf"))
 
 
+@pytest.mark.slow
 @fetches_smollm2
 def test_smollm2_answers_through_the_daemon_as_plain_mlx_lm_does_in_process(
     start_daemon: DaemonFactory, smollm2: tuple[Any, Any]

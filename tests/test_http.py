@@ -764,6 +764,7 @@ def test_every_error_code_has_an_http_status() -> None:
     assert set(ERROR_STATUS) == set(get_args(ErrorCode))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the first run fetches builtin:smollm2 (93 MB)
 def test_a_real_model_answers_through_the_openai_client(
     start_daemon: DaemonFactory, smollm2_dir: Path

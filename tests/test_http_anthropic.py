@@ -498,7 +498,7 @@ async def test_what_we_cannot_honour_is_a_400_naming_it() -> None:
     api = api_of(registry)
     image: Any = {
         "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
+        "source": {"type": "file", "file_id": "file_1"},  # images come as base64 or a URL
     }
     document: Any = {"type": "document", "source": {"type": "text", "data": "x"}}
     search: Any = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
@@ -514,13 +514,13 @@ async def test_what_we_cannot_honour_is_a_400_naming_it() -> None:
             {"extra_body": {"context_management": {"edits": [], "x": 1}}},
             "unsupported parameter: context_management.x",
         ),
-        (said(image), "image content blocks are not supported (messages[0].content[0])"),
+        (said(image), "an image source is"),
         (said(plain, document), "document content blocks are not supported"),
         (said({"type": "search_result"}), "unsupported content block type 'search_result'"),
         (said({**plain, "bogus": 1}), "unsupported parameter: messages[0].content[0].bogus"),
         (
             said(result),
-            "image content blocks are not supported (messages[0].content[0].content[0])",
+            "messages[0].content[0].content takes text blocks only, not image",
         ),
         ({"messages": [{"role": "system", "content": "x"}]}, "unsupported role 'system'"),
         ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}]}, "prefill"),
@@ -535,7 +535,7 @@ async def test_what_we_cannot_honour_is_a_400_naming_it() -> None:
         ({"thinking": {"type": "enabled"}}, "needs budget_tokens"),
         ({"stop_sequences": [""]}, "stop_sequences takes up to"),
         ({"extra_body": {"temperature": 1.5}}, "invalid request"),
-        ({"system": [image]}, "image content blocks are not supported (system[0])"),
+        ({"system": [image]}, "system takes text blocks only, not image"),
     ]
     for fields, message in refused:
         kwargs: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "messages": HELLO, **fields}
@@ -544,7 +544,7 @@ async def test_what_we_cannot_honour_is_a_400_naming_it() -> None:
         status, kind, text = error_of(caught.value)
         assert (status, kind) == (400, "invalid_request_error"), fields
         assert message in text, (fields, text)
-    with pytest.raises(anthropic.BadRequestError, match="image content blocks"):
+    with pytest.raises(anthropic.BadRequestError, match="an image source is"):
         await api.messages.count_tokens(
             model="tiny", messages=[{"role": "user", "content": [image]}]
         )

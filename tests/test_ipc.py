@@ -148,6 +148,8 @@ def _value_for(t: msgspec.inspect.Type, name: str, counter: Iterator[int]) -> An
         return True
     if isinstance(t, msgspec.inspect.StrType):
         return f"{name}-{n}-é✓"  # non-ASCII on purpose
+    if isinstance(t, msgspec.inspect.BytesType):  # raw bytes (an image, a vector's floats)
+        return bytes([n % 256, 0, 255]) + f"{name}".encode()
     if isinstance(t, msgspec.inspect.LiteralType):
         return t.values[-1]
     if isinstance(t, msgspec.inspect.UnionType):

@@ -75,6 +75,7 @@ def test_status_shows_a_quantized_kv_cache_beside_the_prefix_cache() -> None:
     assert "kv" not in cache_column(replace(loaded, prefix_cache=cache))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the first run fetches builtin:smollm2 (93 MB)
 def test_a_real_model_with_an_8_bit_kv_cache_still_answers_paris(
     start_daemon: DaemonFactory, smollm2_dir: Path

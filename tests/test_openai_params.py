@@ -103,11 +103,10 @@ UNSUPPORTED_CHAT = {
     "function_call": "auto",
     "verbosity": "low",
     "logit_bias_mode": "x",
-    # mlx_lm.server's that we do not take: drafts and adapters are load-time
-    # choices here.
+    # mlx_lm.server's that we do not take: drafts are a load-time choice here
+    # (its "adapters" we take: tests/test_adapters.py).
     "draft_model": "x",
     "num_draft_tokens": 3,
-    "adapters": "x",
     "role_mapping": {},
     "bogus": 1,
 }
@@ -889,6 +888,7 @@ def test_a_json_schema_answer_follows_the_schema(start_daemon: DaemonFactory) ->
         api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, response_format=bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the first run fetches builtin:smollm2 (93 MB)
 def test_a_json_object_answer_is_one_json_object(
     start_daemon: DaemonFactory, smollm2_dir: Path

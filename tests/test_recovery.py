@@ -270,6 +270,7 @@ def test_hung_decode_is_killed_from_outside_and_restarted(
 LONG_PROMPT = " ".join(f"line {i}: the supervisor keeps its runners alive." for i in range(60))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "limits",
     [

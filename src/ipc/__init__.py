@@ -12,6 +12,7 @@ from ipc.framing import (
     ChannelClosed,
     Codec,
     FrameSplitter,
+    FrameTooLarge,
     ProtocolError,
 )
 from ipc.messages import PROTOCOL_VERSION
@@ -23,5 +24,6 @@ __all__ = [
     "ChannelClosed",
     "Codec",
     "FrameSplitter",
+    "FrameTooLarge",
     "ProtocolError",
 ]

@@ -28,6 +28,16 @@ class ProtocolError(Exception):
     """A frame or handshake that breaks the protocol: says what was wrong."""
 
 
+class FrameTooLarge(ProtocolError):
+    """An outgoing message is over the frame limit: nothing was sent, the
+    channel is as it was (the sender may fail just that message)."""
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        super().__init__(f"outgoing {what} is {size} bytes, over the {limit}-byte frame limit")
+        self.size = size
+        self.limit = limit
+
+
 class ChannelClosed(Exception):
     """The peer closed the connection cleanly, between two frames."""
 
@@ -50,26 +60,21 @@ class Codec(Generic[T]):
         """Return ``message`` as one frame (header + body).
 
         Raises:
-            ProtocolError: the body would exceed ``max_frame_bytes``.
+            FrameTooLarge: the body would exceed ``max_frame_bytes``.
         """
         body = self._encoder.encode(message)
         if len(body) > self.max_frame_bytes:
-            raise ProtocolError(
-                f"outgoing {type(message).__name__} is {len(body)} bytes, "
-                f"over the {self.max_frame_bytes}-byte frame limit"
-            )
+            raise FrameTooLarge(type(message).__name__, len(body), self.max_frame_bytes)
         return HEADER.pack(len(body)) + body
 
     def frame_body(self, body: bytes) -> bytes:
         """A frame around a body encoded elsewhere (a frame relayed as it came).
 
         Raises:
-            ProtocolError: the body exceeds ``max_frame_bytes``.
+            FrameTooLarge: the body exceeds ``max_frame_bytes``.
         """
         if len(body) > self.max_frame_bytes:
-            raise ProtocolError(
-                f"outgoing frame is {len(body)} bytes, over the {self.max_frame_bytes}-byte limit"
-            )
+            raise FrameTooLarge("frame", len(body), self.max_frame_bytes)
         return HEADER.pack(len(body)) + body
 
     def decode(self, body: bytes | memoryview) -> T:

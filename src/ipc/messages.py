@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Bumped on any incompatible change to a struct below."""
 
 Role = Literal["client", "supervisor", "runner"]
@@ -75,7 +75,11 @@ class ChatMessage(msgspec.Struct):
 
     ``tool_calls``: an assistant turn that called tools; ``tool_call_id``: a
     ``tool`` turn, the answer to that call; ``reasoning``: an assistant turn's
-    reasoning, for templates that show it again."""
+    reasoning, for templates that show it again. ``images``: the turn's
+    images, the encoded file bytes as the client sent them (PNG, JPEG, ...;
+    decoded in the runner, see :mod:`runner.vision`), each placed before the
+    character of ``content`` at the same index of ``image_offsets``
+    (non-decreasing; ``len(content)``: after the text)."""
 
     role: str
     content: str = ""
@@ -83,6 +87,8 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
     name: str | None = None
     reasoning: str | None = None
+    images: list[bytes] | None = None
+    image_offsets: list[int] | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -230,6 +236,10 @@ class GenerationDone(msgspec.Struct, tag="done"):
     # tool-call text the model broke or cut short (it is not passed off as content)
     invalid_tool_call: str | None = None
     stop_string: str | None = None  # the request's stop string that ended it (finish "stop")
+    # Speculative decoding (a model with a draft_model): the draft's tokens the
+    # model checked, and those it accepted (0 and 0: served without the draft).
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
 
 class DiskCacheStats(msgspec.Struct, frozen=True):
@@ -287,6 +297,20 @@ class NextTurnStats(msgspec.Struct, frozen=True):
     dropped: int = 0  # given up: memory pressure, a full queue, an error
 
 
+class DraftStats(msgspec.Struct, frozen=True):
+    """A runner's draft model (speculative decoding): what it is, and how its
+    drafts have done since the runner started. ``requests``: those served
+    with the draft (the others ran in a batch, or with logits processors);
+    ``drafted``: draft tokens the model checked; ``accepted``: of those, the
+    ones it kept (``accepted / drafted`` is the acceptance rate)."""
+
+    model: str
+    num_draft_tokens: int
+    requests: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     """A runner's engine: requests in flight and the prefix cache.
 
@@ -303,6 +327,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     next_turn: NextTurnStats | None = None  # None: next-turn prefill switched off
     kv_bits: int | None = None  # the KV cache's quantization (None: the model's dtype)
     kv_group_size: int | None = None
+    draft: DraftStats | None = None  # None: no draft model (no speculative decoding)
+    # LoRA adapters loaded beside the model (references, the config's order; the
+    # first serves requests that name none), and how often the engine switched.
+    adapters: tuple[str, ...] = ()
+    adapter_switches: int = 0
 
 
 # --- client -> supervisor ----------------------------------------------------
@@ -329,6 +358,8 @@ class LoadRequest(msgspec.Struct, tag="load"):
     hostfile: str | None = None  # or an mlx.launch hostfile: one rank per host
     kv_bits: int | None = None  # quantize the KV cache: 4 or 8 bits
     kv_group_size: int | None = None  # its values per scale and bias: 32, 64 or 128
+    draft_model: str | None = None  # a draft for speculative decoding (same tokenizer)
+    num_draft_tokens: int | None = None  # tokens the draft proposes per step
 
 
 class UnloadRequest(msgspec.Struct, tag="unload"):
@@ -354,6 +385,9 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     cache: bool = True  # False: neither use nor fill the prefix cache
     chat: ChatOptions = ChatOptions()
     sampling_given: tuple[str, ...] | None = None
+    # A LoRA adapter among the model's (its reference or name); None: the
+    # model's default (its first), "": the base model without an adapter.
+    adapter: str | None = None
 
 
 class CacheClearRequest(msgspec.Struct, tag="cache_clear"):
@@ -376,6 +410,24 @@ class ReloadRequest(msgspec.Struct, tag="reload"):
     """Read the daemon's config file again and apply it (:class:`ReloadReply`)."""
 
 
+EmbeddingInput = str | list[int]
+"""One input to embed: a text, or token ids taken as they are."""
+
+
+class EmbedRequest(msgspec.Struct, tag="embed"):
+    """Embed each of ``inputs`` (a text, or token ids taken as they are) with
+    the embedding model ``name``; answered with :class:`Embeddings`.
+    ``dimensions``: keep that many leading dimensions (models whose config
+    says they are Matryoshka models only), normalized again when the model
+    normalizes. ``truncate``: cut an input over the model's length instead
+    of refusing it."""
+
+    name: str
+    inputs: list[EmbeddingInput]
+    dimensions: int | None = None
+    truncate: bool = False
+
+
 ClientMessage = (
     LoadRequest
     | UnloadRequest
@@ -385,6 +437,7 @@ ClientMessage = (
     | ShutdownRequest
     | CacheClearRequest
     | ReloadRequest
+    | EmbedRequest
 )
 
 # --- supervisor -> client ----------------------------------------------------
@@ -502,6 +555,9 @@ class RunnerInfo(msgspec.Struct):
     kv_bits: int | None = None  # the KV cache's quantization (None: the model's dtype)
     kv_group_size: int | None = None
     ranks: list[RankInfo] = []  # a distributed group: one per rank, rank 0 first
+    draft: DraftStats | None = None  # its draft model and how its drafts did
+    adapters: list[str] = []  # its LoRA adapters (the first is the default)
+    adapter_switches: int = 0  # times its runner switched adapters between steps
 
 
 class RankInfo(msgspec.Struct):
@@ -599,6 +655,10 @@ class CacheCleared(msgspec.Struct, tag="cache_cleared"):
 NO_MODEL_LOADED = "no model loaded"
 """A :class:`TokenCount`'s ``error`` from a runner that has no model yet."""
 
+EMBED_CANCELLED = "cancelled"
+"""An :class:`Embeddings`' ``error`` for an embed dropped unfinished: cancelled
+by the supervisor, or the runner shutting down (the model unloads)."""
+
 
 class TokenCount(msgspec.Struct, tag="token_count"):
     """Runner -> supervisor: the answer to :class:`CountTokens`; ``error``
@@ -608,6 +668,34 @@ class TokenCount(msgspec.Struct, tag="token_count"):
     request_id: int
     tokens: int
     error: str | None = None
+
+
+class Embeddings(msgspec.Struct, tag="embeddings"):
+    """Runner -> supervisor -> client: the answer to :class:`Embed` (and
+    :class:`EmbedRequest`): one vector per input, in order, each as
+    little-endian float32 bytes (OpenAI's base64 form is their base64), and
+    the tokens the inputs made. ``error``: why there are none;
+    ``invalid_request``: the request was at fault (not an embedding model, an
+    input too long, ...), not the runner."""
+
+    request_id: int
+    vectors: list[bytes] = []
+    prompt_tokens: int = 0
+    error: str | None = None
+    invalid_request: bool = False
+
+    def floats(self) -> list[list[float]]:
+        """The vectors as lists of floats."""
+        import sys
+        from array import array
+
+        out = []
+        for vector in self.vectors:
+            values = array("f", vector)
+            if sys.byteorder == "big":
+                values.byteswap()
+            out.append(values.tolist())
+        return out
 
 
 class Queued(msgspec.Struct, tag="queued"):
@@ -621,6 +709,7 @@ class Queued(msgspec.Struct, tag="queued"):
 
 ErrorCode = Literal[
     "bad_request",  # the request itself is wrong (fields, names, env)
+    "too_large",  # the request (or its reply) is over the frame limit
     "forbidden",  # the peer's uid may not use this daemon
     "unknown_model",
     "already_loaded",
@@ -655,6 +744,7 @@ ServerMessage = (
     | ErrorReply
     | CacheCleared
     | ReloadReply
+    | Embeddings
 )
 
 # --- supervisor -> runner ----------------------------------------------------
@@ -713,6 +803,13 @@ class EngineSettings(msgspec.Struct, frozen=True):
     kv_group_size: int = 64
     prefix_cache_disk_bytes: int = 0
     prefix_cache_dir: str | None = None
+    # Speculative decoding: a draft model (a reference, with the model's
+    # tokenizer) proposes ``num_draft_tokens`` tokens a step (None: no draft).
+    draft_model: str | None = None
+    num_draft_tokens: int = 3
+    # LoRA adapters (references: directories or builtin:NAME), each applied once
+    # at load; a Generate picks one of them (or none) per request.
+    adapters: tuple[str, ...] = ()
 
 
 class Distributed(msgspec.Struct, frozen=True):
@@ -756,6 +853,7 @@ class Generate(msgspec.Struct, tag="generate"):
     sampling: SamplingParams = SamplingParams()
     cache: bool = True  # False: neither use nor fill the prefix cache
     chat: ChatOptions = ChatOptions()
+    adapter: str | None = None  # one of EngineSettings.adapters (None: the base model)
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -796,8 +894,26 @@ class CountTokens(msgspec.Struct, tag="count_tokens"):
     chat: ChatOptions = ChatOptions()
 
 
+class Embed(msgspec.Struct, tag="embed"):
+    """Embed ``inputs`` (see :class:`EmbedRequest`); the runner answers
+    :class:`Embeddings`, computed a batch per turn of its loop."""
+
+    request_id: int
+    inputs: list[EmbeddingInput]
+    dimensions: int | None = None
+    truncate: bool = False
+
+
 RunnerCommand = (
-    LoadModel | Generate | Cancel | Ping | Shutdown | ClearCache | Environment | CountTokens
+    LoadModel
+    | Generate
+    | Cancel
+    | Ping
+    | Shutdown
+    | ClearCache
+    | Environment
+    | CountTokens
+    | Embed
 )
 
 # --- runner -> supervisor ----------------------------------------------------
@@ -896,4 +1012,5 @@ RunnerEvent = (
     | EngineReport
     | CacheCleared
     | TokenCount
+    | Embeddings
 )

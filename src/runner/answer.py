@@ -184,13 +184,14 @@ class AnswerPath:
         if finish == "memory_pressure":
             self.guard.emergency_cleanup(f"request {job.request_id} stopped")
         elif cache is not None and job.tokens and job.use_cache and self.prefix_cache is not None:
-            self.prefix_cache.store(job.prompt + job.tokens, cache)
+            self.prefix_cache.store(job.cache_key + job.tokens, cache, job.key_space)
             messages = job.request.messages
+            # (A chat with images is not prefilled for its next turn: the prefill has no images.)
             if (self.next_turn is not None and messages is not None and finish != "cancelled"
-                    and job.invalid_tool_call is None):  # fmt: skip
+                    and job.invalid_tool_call is None and job.vision is None):  # fmt: skip
                 # The answer as the client sends it back: its text, and its calls.
                 answer = ChatMessage("assistant", job.text, tool_calls=job.tool_calls or None)
-                self.next_turn.queue(messages, answer, job.request.chat)
+                self.next_turn.queue(messages, answer, job.request.chat, job.request.adapter)
         now = time.perf_counter()
         computed = len(job.prompt) - job.cached_tokens
         first = job.first_token_at
@@ -212,6 +213,8 @@ class AnswerPath:
             reasoning_tokens=job.splitter.reasoning_tokens if job.splitter is not None else 0,
             invalid_tool_call=job.invalid_tool_call,
             stop_string=job.stop_string if finish == "stop" else None,
+            draft_tokens=job.draft_tokens,
+            draft_accepted=job.draft_accepted,
         )
         # The engine's new figures first: a client that asks for the status as
         # soon as its request is done sees what the request did (the cache entry).
@@ -229,6 +232,8 @@ class AnswerPath:
             batched=job.batched,
             max_tokens_clamped_to=job.clamped_to,
             detail=job.detail,
+            draft_tokens=job.draft_tokens,
+            draft_accepted=job.draft_accepted,
         )
 
     def _fail(self, job: Job, exc: BaseException) -> None:

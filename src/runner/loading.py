@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from modelfiles.builtin import is_builtin
 from modelfiles.cache import ProgressCallback
+from runner import muse_spark_cpu
 from runner.builtin import ensure_builtin_model
 from runner.gguf_import import ensure_gguf_model_dir
 from runner.guard import MemoryGuard
@@ -114,6 +115,7 @@ def load_model(
     progress("resolve", 0, 1)
     path = resolve_model_path(model, progress)
     progress("resolve", 1, 1)
+    muse_spark_cpu.install()  # muse_spark (builtin:tiny-vision) where Metal is missing
     loaded_model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(path), lazy=True))
     layers = list(getattr(loaded_model, "layers", []))
     total = len(layers) + 1

@@ -24,7 +24,7 @@ import msgspec
 import psutil
 import structlog
 
-from ipc import BlockingChannel, ChannelClosed, Codec, ProtocolError
+from ipc import DEFAULT_MAX_FRAME_BYTES, BlockingChannel, ChannelClosed, Codec, ProtocolError
 from ipc.messages import (
     GROUP_STEP_FAILED,
     NO_MODEL_LOADED,
@@ -33,6 +33,8 @@ from ipc.messages import (
     CauseClass,
     ClearCache,
     CountTokens,
+    Embed,
+    Embeddings,
     Environment,
     ExitAudit,
     Generate,
@@ -55,6 +57,10 @@ from runner.guard import MemoryGuard, MemoryGuardError
 from runner.logs import configure_logging
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from runner.adapters import Adapters
+    from runner.embeddings import EmbeddingQueue
     from runner.engine import Engine
 
 EXIT_ORPHANED = 70  # the supervisor went away
@@ -107,6 +113,8 @@ class Runner:
     def __init__(self, channel: BlockingChannel[RunnerCommand], faults: Faults) -> None:
         self.channel = channel
         self.faults = faults
+        # The largest frame either way (--max-frame-bytes): a reply must fit in it.
+        self.max_frame_bytes = channel.codec.max_frame_bytes
         # SimpleQueue: the busy loop looks at it every token, and its empty() takes no lock.
         self.commands: queue.SimpleQueue[RunnerCommand] = queue.SimpleQueue()
         # Requests received but not finished, and which of them were cancelled:
@@ -118,6 +126,7 @@ class Runner:
         self.model: Any = None
         self.tokenizer: Any = None
         self.engine: Engine | None = None
+        self.embeddings: EmbeddingQueue | None = None  # an embedding model's requests
         self.max_tokens_cap: int | None = None
         # Limits and guards; its ``figures`` are what the reader thread's Pongs carry.
         self.guard = MemoryGuard()
@@ -158,7 +167,7 @@ class Runner:
                     if command.request_id in self.pending:
                         self.cancelled_ids.add(command.request_id)
                 continue
-            if isinstance(command, Generate):
+            if isinstance(command, Generate | Embed):  # an Embed can be cancelled too
                 with self._lock:
                     self.pending[command.request_id] = time.perf_counter()
             if isinstance(command, Shutdown):
@@ -180,7 +189,9 @@ class Runner:
         """
         while True:
             engine = self.engine
+            embeddings = self.embeddings
             busy = engine is not None and engine.has_work
+            busy = busy or (embeddings is not None and embeddings.has_work)
             command: RunnerCommand | None = None
             try:
                 if not busy:
@@ -192,6 +203,8 @@ class Runner:
             except queue.Empty:
                 command = None
             if isinstance(command, Shutdown):
+                if embeddings is not None:
+                    embeddings.cancel_all()  # a clean error for each, not a runner gone
                 if engine is not None and not engine.idle:
                     self.step(engine)  # the requests in flight end as cancelled first
                     self.commands.put(command)
@@ -215,6 +228,12 @@ class Runner:
                 self.channel.send(CacheCleared(self.name, entries, nbytes, blocks, disk_bytes))
             elif isinstance(command, CountTokens):
                 self.count_tokens(command)
+            elif isinstance(command, Embed):
+                self.embed(command)
+            if command is None and embeddings is not None and embeddings.has_work:
+                self.embed_step(embeddings)  # one batch; commands are taken between two
+                if engine is not None and not engine.has_work:
+                    continue  # only embeddings to compute: an idle engine has no step
             if command is None and engine is not None:
                 self.step(engine)
 
@@ -243,6 +262,15 @@ class Runner:
                 ) from exc
             log.exception("engine_step_failed")
             engine.fail_all(exc)
+
+    def embed_step(self, embeddings: EmbeddingQueue) -> None:
+        """One batch of embeddings, as a fault boundary (as :meth:`step`): an
+        error there fails the queued embeds, not the runner."""
+        try:
+            embeddings.step()
+        except Exception as exc:
+            log.exception("embedding_step_failed")
+            embeddings.fail_all(f"{type(exc).__name__}: {exc}")
 
     def load(self, command: LoadModel) -> None:
         """Load the model of ``command`` under its memory plan; send Ready.
@@ -301,6 +329,14 @@ class Runner:
 
                 check_quantizable(loaded.model, command.engine.kv_bits,
                                   command.engine.kv_group_size)  # fmt: skip
+            embeddings = self.embedding_queue(command, loaded.model, loaded.tokenizer, loaded.path)
+            adapters = self.adapters(command, loaded.model)
+            if command.engine.draft_model is not None:  # the model's, then the draft's weights
+                from runner.speculative import load_draft
+
+                draft = load_draft(command.model, loaded, command.engine, progress, self.guard)
+            else:
+                draft = None
         except MemoryGuardError as exc:
             log.error(
                 "memory_guard_abort",
@@ -324,6 +360,7 @@ class Runner:
             self.channel.send(LoadFailed(error))
             raise RunnerExit(EXIT_LOAD_FAILED, f"load failed: {error}") from exc
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.embeddings = embeddings
         self.guard.refresh()
         from runner.engine import Engine
 
@@ -339,6 +376,8 @@ class Runner:
             max_tokens_cap=self.max_tokens_cap,
             group=group,
             model_path=loaded.path,
+            adapters=adapters,
+            draft=draft,
         )
         stats = self.engine.stats_snapshot
         active, peak = self.guard.figures.active_bytes, self.guard.figures.peak_bytes
@@ -357,8 +396,77 @@ class Runner:
         )
         self.faults.when_idle()
 
+    def adapters(self, command: LoadModel, model: Any) -> Adapters | None:
+        """The model's LoRA adapters, each applied once (None: it has none).
+
+        Raises:
+            ValueError: an adapter that is not there or does not fit the model
+                (the message names it), or adapters on a sharded model.
+        """
+        if not command.engine.adapters:
+            return None
+        if command.distributed is not None:
+            raise ValueError("adapters on a model sharded over ranks: not supported")
+        from runner.adapters import Adapters
+
+        return Adapters.load(model, command.engine.adapters)
+
+    def embedding_queue(
+        self, command: LoadModel, model: Any, tokenizer: Any, path: Path
+    ) -> EmbeddingQueue | None:
+        """The embed requests' queue when the model in ``path`` is an embedding
+        model (its sentence-transformers pooling); None for a chat model.
+
+        Raises:
+            ValueError: its pooling is one the runner does not apply, or it is
+                sharded over ranks.
+        """
+        from runner.embeddings import EmbeddingQueue, read_embedding_config
+
+        config = read_embedding_config(path)
+        if config is None:
+            return None
+        if command.distributed is not None:
+            raise ValueError("an embedding model is served by one process, not sharded")
+        log.info("embedding_model", pooling=config.pooling, normalize=config.normalize,
+                 dimensions=config.dimensions, max_tokens=config.max_tokens)  # fmt: skip
+        return EmbeddingQueue(model, tokenizer, config, command.name, self.send_embeddings,
+                              max_reply_bytes=self.max_frame_bytes, is_cancelled=self.is_cancelled,
+                              guard=self.guard, faults=self.faults)  # fmt: skip
+
+    def embed(self, command: Embed) -> None:
+        """Queue ``command``'s inputs (answered by a later step), or refuse it:
+        no model, or not an embedding model."""
+        from runner.embeddings import not_an_embedding_model
+
+        if self.embeddings is not None:
+            try:
+                self.embeddings.submit(command)
+            except Exception as exc:  # the request's to fail, not the runner's
+                log.exception("embed_refused")
+                self.send_embeddings(Embeddings(command.request_id, error=f"{type(exc).__name__}: "
+                                                f"{exc}"))  # fmt: skip
+            return
+        error = NO_MODEL_LOADED if self.engine is None else not_an_embedding_model(self.name)
+        self.send_embeddings(Embeddings(command.request_id, error=error,
+                                        invalid_request=self.engine is not None))  # fmt: skip
+
+    def send_embeddings(self, answer: Embeddings) -> None:
+        """An embed's answer (its last frame: forget its cancel)."""
+        if answer.error is None:
+            self.requests_served += 1
+        self.request_finished(answer.request_id, None)
+        self.channel.send(answer)
+
     def generate(self, request: Generate) -> None:
         """Hand ``request`` to the engine (which answers for it from then on)."""
+        if self.embeddings is not None:  # an embedding model writes no text
+            from runner.embeddings import not_a_chat_model
+
+            error = not_a_chat_model(self.name, self.embeddings.config)
+            self.channel.send(GenerationFailed(request.request_id, error, invalid_request=True))
+            self.request_finished(request.request_id, None)
+            return
         if self.engine is None:
             self.channel.send(GenerationFailed(request.request_id, "RuntimeError: no model loaded"))
             self.request_finished(request.request_id, None)
@@ -373,12 +481,10 @@ class Runner:
         if self.engine is None:
             self.channel.send(TokenCount(command.request_id, 0, NO_MODEL_LOADED))
             return
-        from runner.engine import build_prompt_tokens
-
         request = Generate(command.request_id, command.prompt, command.messages,
                            chat=command.chat)  # fmt: skip
         try:
-            tokens = len(build_prompt_tokens(self.engine.tokenizer, request))
+            tokens = self.engine.prompt_length(request)  # images expanded, as they would run
         except Exception as exc:  # the client's messages, not the runner, are wrong
             self.channel.send(TokenCount(command.request_id, 0, f"{type(exc).__name__}: {exc}"))
             return
@@ -438,6 +544,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--env-first", action="store_true",
                         help="read the environment from the first frame on --read-fd")  # fmt: skip
+    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                        help="largest frame read or written on the pipes")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -475,7 +583,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(argv)
     set_parent_death_signal(args.parent_pid)
     channel: BlockingChannel[RunnerCommand] = BlockingChannel(
-        args.read_fd, args.write_fd, Codec(RunnerCommand)
+        args.read_fd, args.write_fd, Codec(RunnerCommand, args.max_frame_bytes)
     )
     if args.env_first:
         take_environment(channel)

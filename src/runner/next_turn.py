@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import structlog
@@ -24,7 +24,10 @@ from ipc.messages import ChatMessage, ChatOptions, NextTurnStats
 from runner.chat_template import render_chat, template_turns
 from runner.guard import MemoryGuard, assess
 from runner.prefill_pacing import PrefillPacer
-from runner.prefix_cache import PrefixCache, PromptCache, cache_nbytes, prefix_view
+from runner.prefix_cache import PrefixCache, PromptCache, cache_nbytes, keyed, prefix_view
+
+if TYPE_CHECKING:
+    from runner.adapters import Adapters
 
 __all__ = ["NEXT_TURN_CHUNK_S", "NextTurn", "NextTurnPrefill", "next_turn_prefix"]
 
@@ -81,6 +84,7 @@ class NextTurn:
     messages: Sequence[ChatMessage]
     answer: ChatMessage
     chat: ChatOptions
+    adapter: str | None = None  # the LoRA adapter the chat ran with (None: none)
     tokens: list[int] | None = None
     cache: PromptCache | None = None
     done: int = 0
@@ -105,6 +109,8 @@ class NextTurnPrefill:
             figures its status shows have changed).
         make_cache: a fresh cache for the model (the engine's: quantized
             with kv_bits).
+        adapters: the model's LoRA adapters: a chat's next turn is prefilled
+            with its adapter, into its adapter's key space.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class NextTurnPrefill:
         limit: int,
         report: Callable[[], None],
         make_cache: Callable[[], PromptCache],
+        adapters: Adapters | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -127,6 +134,7 @@ class NextTurnPrefill:
         self.limit = limit
         self.report = report
         self.make_cache = make_cache
+        self.adapters = adapters
         self.turns: deque[NextTurn] = deque()
         self.counts = {"prefilled": 0, "tokens": 0, "dropped": 0}
 
@@ -134,13 +142,18 @@ class NextTurnPrefill:
         return NextTurnStats(len(self.turns), **self.counts)
 
     def queue(self, messages: Sequence[ChatMessage], answer: ChatMessage,
-              chat: ChatOptions) -> None:  # fmt: skip
+              chat: ChatOptions, adapter: str | None = None) -> None:  # fmt: skip
         """Queue the prefill of this chat's next turn (``messages`` and the
         assistant's ``answer``, rendered with ``chat``'s tools and template
-        arguments); past ``limit`` waiting, the oldest is dropped."""
+        arguments, run with LoRA ``adapter``); past ``limit`` waiting, the
+        oldest is dropped."""
         if len(self.turns) >= self.limit:
             self._drop(self.turns[0], "more chats answered than max_concurrent")
-        self.turns.append(NextTurn(messages, answer, chat))
+        self.turns.append(NextTurn(messages, answer, chat, adapter))
+
+    def _space(self, turn: NextTurn) -> int:
+        """The prefix cache's key space of ``turn``'s adapter."""
+        return 0 if self.adapters is None else self.adapters.space(turn.adapter)
 
     def step(self) -> None:
         """One chunk of the first waiting next-turn prefill (about
@@ -160,6 +173,8 @@ class NextTurnPrefill:
             size = self.pacer.step_tokens(target_s=NEXT_TURN_CHUNK_S)
             chunk = turn.tokens[turn.done : turn.done + size]
             started = time.perf_counter()
+            if self.adapters is not None:
+                self.adapters.use(turn.adapter)
             with mx.stream(generation_stream):
                 self.model(mx.array(chunk)[None], cache=turn.cache)
                 mx.eval([layer.state for layer in turn.cache])
@@ -203,7 +218,7 @@ class NextTurnPrefill:
         prefix_cache = self.prefix_cache
         if turn.tokens is None:
             turn.tokens = next_turn_prefix(self.tokenizer, turn.messages, turn.answer, turn.chat)
-        match = prefix_cache.index.peek(turn.tokens)
+        match = prefix_cache.index.peek(keyed(turn.tokens, self._space(turn)))
         turn.done = match.reuse if match is not None else 0
         if turn.done >= len(turn.tokens) - 1:
             self.turns.remove(turn)
@@ -226,7 +241,7 @@ class NextTurnPrefill:
         cache, turn.cache = turn.cache, None
         if cache is None or turn.tokens is None or not turn.done:
             return False
-        return self.prefix_cache.store(turn.tokens[: turn.done], cache)
+        return self.prefix_cache.store(turn.tokens[: turn.done], cache, self._space(turn))
 
     def _drop(self, turn: NextTurn, why: str) -> None:
         """Give ``turn`` up, and what it computed (a paused one stored that already)."""

@@ -39,12 +39,27 @@ from runner.prefix_index import PrefixIndex
 if TYPE_CHECKING:
     from runner.disk_cache import DiskTier
 
-__all__ = ["PrefixCache", "cache_nbytes", "prefix_view"]
+__all__ = ["KEY_SPACE_STRIDE", "PrefixCache", "cache_nbytes", "keyed", "prefix_view"]
 
 log = structlog.get_logger("runner.prefix_cache")
 
 PromptCache = list[Any]
 """One model's cache: an object per layer (KVCache, RotatingKVCache, ...)."""
+
+KEY_SPACE_STRIDE = 1 << 40
+"""Key space ``s`` keys token ``t`` as ``t + s * KEY_SPACE_STRIDE``: far above
+any vocabulary and any negative id a key may hold, so no two spaces share a key."""
+
+
+def keyed(tokens: Sequence[int], space: int) -> Sequence[int]:
+    """``tokens`` as the cache keys them in key space ``space``: 0 for the
+    model as loaded, 1.. for each of its LoRA adapters (see
+    :mod:`runner.adapters`), whose KV must never serve another's request.
+    Keys keep their length: a key still counts the tokens its KV holds."""
+    if not space:
+        return tokens
+    offset = space * KEY_SPACE_STRIDE
+    return [token + offset for token in tokens]
 
 
 def cache_nbytes(cache: PromptCache) -> int:
@@ -103,11 +118,16 @@ class PrefixCache:
         self.disk_off = disk_off
         self._evictions_released = 0
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[PromptCache | None, int]:
-        """The cache to start ``tokens`` from and how many of them it holds.
+    def fetch(self, tokens: Sequence[int], space: int = 0) -> tuple[PromptCache | None, int]:
+        """The cache to start ``tokens`` from and how many of them it holds,
+        in key space ``space`` (see :func:`keyed`; the disk tier keeps space 0 only).
 
         Always leaves at least one token to compute. A miss is ``(None, 0)``.
         """
+        if space:
+            match = self.index.lookup(keyed(tokens, space))
+            return (None, 0) if match is None else (prefix_view(match.value, match.reuse),
+                                                     match.reuse)  # fmt: skip
         restored = self._from_disk(tokens)
         if restored is not None:
             return restored
@@ -118,11 +138,11 @@ class PrefixCache:
             self.disk.touch_prefix(tokens[: match.reuse])
         return prefix_view(match.value, match.reuse), match.reuse
 
-    def reuse(self, tokens: Sequence[int]) -> int:
+    def reuse(self, tokens: Sequence[int], space: int = 0) -> int:
         """How many of ``tokens`` :meth:`fetch` would give (no disk I/O, no counters)."""
-        match = self.index.peek(tokens)
+        match = self.index.peek(keyed(tokens, space))
         reuse = 0 if match is None else match.reuse
-        if self.disk is not None and len(tokens) > 1:
+        if self.disk is not None and len(tokens) > 1 and not space:
             reuse = max(reuse, min(self.disk.reuse(tokens), len(tokens) - 1))
         return reuse
 
@@ -145,11 +165,12 @@ class PrefixCache:
             reuse += 1
         return prefix_view(cache, reuse), reuse
 
-    def store(self, tokens: Sequence[int], cache: PromptCache) -> bool:
-        """Keep ``cache``, which holds exactly ``tokens``, in RAM and on disk;
-        False if it is larger than the whole RAM budget (then RAM does not keep it)."""
-        stored = self._store_ram(tokens, cache)
-        if self.disk is not None and cache and cache[0].size() == len(tokens):
+    def store(self, tokens: Sequence[int], cache: PromptCache, space: int = 0) -> bool:
+        """Keep ``cache``, which holds exactly ``tokens``, in RAM and on disk
+        (RAM only outside key space 0); False if it is larger than the whole
+        RAM budget (then RAM does not keep it)."""
+        stored = self._store_ram(keyed(tokens, space), cache)
+        if self.disk is not None and not space and cache and cache[0].size() == len(tokens):
             try:
                 self.disk.save(tokens, cache)
             except Exception:  # the disk is a cache: a failure costs a recompute, no more

@@ -14,6 +14,7 @@ their own: the engine inherits them, and they read and write its state
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from runner.faults import Faults
 from runner.job import Job
 from runner.prefill_pacing import PrefillPacer
 from runner.prefix_cache import PromptCache
+from runner.speculative import Draft, prefill_draft, settle, speculative_steps
+from runner.vision import input_embeddings
 
 __all__ = ["Solo", "SoloPath", "whole_sequence"]
 
@@ -42,6 +45,11 @@ class Solo:
     rest: list[int]  # the prompt tokens not taken from the prefix cache
     prefilled: int = 0  # of ``rest``, in the cache
     steps: Generator[tuple[Any, Any], None, None] | None = None  # once prefilled
+    # Speculative decoding (runner.speculative): the draft's cache, and how much of the
+    # prompt (all but its last token) the draft has prefilled into it.
+    draft_cache: PromptCache | None = None
+    draft_prefilled: int = 0
+    embeddings: Any = None  # (len(rest), D): a prompt with images, as input embeddings
 
 
 class SoloPath:
@@ -52,6 +60,7 @@ class SoloPath:
     new_cache: Callable[[], PromptCache]  # a fresh cache (quantized with kv_bits)
     group: Group | None
     solo: Solo | None
+    draft: Draft | None  # the draft model (speculative decoding), if the model has one
     pacer: PrefillPacer
     faults: Faults
     is_cancelled: Callable[[int], bool]
@@ -78,6 +87,16 @@ class SoloPath:
         job.started = time.perf_counter()
         mx.reset_peak_memory()
         self.solo = Solo(job, cache, job.prompt[job.cached_tokens :])
+        if (self.draft is not None and not job.processors and job.vision is None
+                and self.group is None):  # fmt: skip
+            self.solo.draft_cache = self.draft.new_cache()
+        if job.vision is not None:  # the images' rows, computed once, before the prefill
+            with mx.stream(generation_stream):
+                self.solo.embeddings = input_embeddings(self.model, job.prompt, job.vision,
+                                                        job.cached_tokens)  # fmt: skip
+                mx.eval(self.solo.embeddings)
+            # Only the cache key is needed from here on: the pixels go.
+            job.vision = dataclasses.replace(job.vision, pixel_values=[])
 
     def _prefill_solo(self, solo: Solo) -> None:
         """One step of a lone request's prefill: a chunk of its prompt sized
@@ -105,6 +124,20 @@ class SoloPath:
             job.detail = stop
             self._finish(job, "cancelled" if stop is None else "memory_pressure")
             return
+        embeddings = solo.embeddings
+        draft_left = len(job.prompt) - 1 - solo.draft_prefilled
+        if left <= 0 and solo.draft_cache is not None and draft_left > 0 and self.draft:
+            size = min(self.pacer.step_tokens(), draft_left)  # a draft's chunk takes less
+            start = solo.draft_prefilled
+            prefill_draft(self.draft, job.prompt[start : start + size], solo.draft_cache)
+            solo.draft_prefilled += size
+            self._progress += 1
+            return
+        if left <= 0 and solo.draft_cache is not None and self.draft is not None:
+            last = solo.rest[solo.prefilled :]
+            solo.steps = speculative_steps(job, self.draft, self.model, last, solo.cache,
+                                           solo.draft_cache)  # fmt: skip
+            return
         if left <= 0:
             last = solo.rest[solo.prefilled :]
             solo.steps = generate_step(
@@ -115,7 +148,9 @@ class SoloPath:
                 logits_processors=whole_sequence(job.processors,
                                                  job.prompt[: len(job.prompt) - len(last)]),
                 prompt_cache=solo.cache,
+                input_embeddings=None if embeddings is None else embeddings[solo.prefilled :],
             )  # fmt: skip
+            solo.embeddings = None  # the prompt is in the cache but its last row (in steps)
             return
         chunk = solo.rest[solo.prefilled : solo.prefilled + size]
         self._announce("prefill", self.pacer.expected_s(len(chunk)))
@@ -123,7 +158,11 @@ class SoloPath:
         started = time.perf_counter()
         self.faults.prefill_chunk(job.prefill_chunks, len(chunk))
         with mx.stream(generation_stream):
-            self.model(mx.array(chunk)[None], cache=solo.cache)
+            if embeddings is None:
+                self.model(mx.array(chunk)[None], cache=solo.cache)
+            else:
+                rows = embeddings[solo.prefilled : solo.prefilled + size]
+                self.model(mx.array(chunk)[None], cache=solo.cache, input_embeddings=rows[None])
             mx.eval([layer.state for layer in solo.cache])
         self.pacer.record(len(chunk), time.perf_counter() - started)
         mx.clear_cache()
@@ -143,7 +182,7 @@ class SoloPath:
             token, logprobs = next(solo.steps)
         except StopIteration:  # max_tokens reached (we stop before it does)
             self.solo = None
-            self._finish(job, "length", cache=solo.cache)
+            self._finish(job, "length", cache=self._settled(solo))
             return
         except Exception as exc:
             self.solo = None
@@ -170,7 +209,17 @@ class SoloPath:
         if finish is not None:
             solo.steps.close()
             self.solo = None
-            self._finish(job, finish, cache=solo.cache)
+            # Stopped for memory: no cache kept, and no forward more to settle one.
+            cache = None if finish == "memory_pressure" else self._settled(solo)
+            self._finish(job, finish, cache=cache)
+
+    def _settled(self, solo: Solo) -> PromptCache | None:
+        """The lone request's cache, holding exactly its tokens, to store;
+        None when a speculative generation's cannot be brought to that."""
+        job = solo.job
+        if solo.draft_cache is None or not job.tokens or not job.use_cache:
+            return solo.cache
+        return solo.cache if settle(solo.cache, self.model, job.prompt + job.tokens) else None
 
     def _fail_solo(self, job: Job, exc: Exception) -> None:
         """The lone request failed. In a group the other ranks may be one

@@ -17,6 +17,7 @@ from msgspec import Meta
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES
 from ipc.messages import RestartStrategy
 from modelfiles.cache import cache_root
+from supervisor.adapters import adapter_list, adapters_problem
 from supervisor.netaddr import is_loopback
 from supervisor.runners.placement import group_places, is_group
 from supervisor.security import env_problem, model_name_problem, model_reference_problem
@@ -35,6 +36,7 @@ ContextTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 Concurrency = Annotated[int, Meta(ge=1, le=256)]
 Ranks = Annotated[int, Meta(ge=1, le=16)]
 NonEmpty = Annotated[str, Meta(min_length=1)]
+AdapterRef = Annotated[str, Meta(min_length=1, max_length=4096)]
 # "*", a DNS name or IPv4 address (a final dot allowed), or an IPv6 address (brackets allowed).
 HostName = Annotated[
     str,
@@ -154,6 +156,15 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the others through ssh_command.
     hostfile: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     distributed_backend: Literal["ring"] = "ring"
+    # Speculative decoding: a smaller model with the same tokenizer (a
+    # reference like ``model``) drafts num_draft_tokens tokens a step, which
+    # the model checks in one forward pass; a request served alone uses it.
+    draft_model: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
+    num_draft_tokens: Annotated[int, Meta(ge=1, le=32)] = 3
+    # LoRA adapters (directories as mlx_lm.load's adapter_path, or builtin:NAME):
+    # one or a list, each loaded once beside the model; the first serves the
+    # requests that name none, and a request may name another (see supervisor.adapters).
+    adapters: AdapterRef | list[AdapterRef] = []
     # More names for this model: a request, a load or an unload may use any of
     # them; each is checked as a name, and no name or alias may repeat.
     aliases: list[str] = []
@@ -210,6 +221,17 @@ def spec_problem(spec: ModelConfig, *, places: bool = True) -> str | None:
         return "aliases: a name or alias repeats"
     if spec.kv_bits is not None and is_group(spec):
         return "kv_bits with a distributed group (ranks, hostfile): not yet"
+    problem = adapters_problem(spec.adapters)
+    if problem:
+        return problem
+    if adapter_list(spec.adapters) and is_group(spec):
+        return "adapters with a distributed group (ranks, hostfile): not yet"
+    if spec.draft_model is not None:
+        problem = model_reference_problem(spec.draft_model)
+        if problem:
+            return f"draft_model: {problem}"
+        if is_group(spec):
+            return "draft_model with a distributed group (ranks, hostfile): not yet"
     if not places:
         return None
     try:
@@ -276,6 +298,16 @@ class SupervisorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # address, without a port: a page whose name was rebound to us names its own (DNS
     # rebinding). ["mybox.lan"] to serve a LAN name; ["*"]: any (the check is off).
     http_allowed_hosts: list[HostName] = []
+    # Images in chats (README: "Images"): http(s) image URLs are fetched by the daemon only
+    # when this is on (data URLs and base64 always work), and only from global addresses
+    # unless allow_private_image_hosts (loopback, LAN, link-local: a test's or a lab's own
+    # server). One image at most max_image_bytes (default: 10 MiB, less where
+    # max_frame_bytes leaves less; never over max_frame_bytes), at most
+    # max_images_per_request of them.
+    allow_remote_images: bool = False
+    allow_private_image_hosts: bool = False
+    max_image_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] | None = None
+    max_images_per_request: Annotated[int, Meta(ge=1, le=1024)] = 16
     # memory safety (README: "Memory"); sizes in bytes
     memory_poll_s: Annotated[float, Meta(ge=0.05, le=3_600)] = 1.0
     memory_override_mb: Annotated[int, Meta(ge=64, le=1 << 30)] | None = None
@@ -405,6 +437,10 @@ def load_config(path: Path | None) -> SupervisorConfig:
     problem = exposure_problem(config)
     if problem:
         raise ConfigError(f"invalid config {path}: {problem}", "http_listen")
+    if config.max_image_bytes is not None and config.max_image_bytes > config.max_frame_bytes:
+        raise ConfigError(f"invalid config {path}: max_image_bytes = {config.max_image_bytes} "
+                          f"is over max_frame_bytes = {config.max_frame_bytes}: such an image "
+                          "could never reach a runner", "max_image_bytes")  # fmt: skip
     return config
 
 

@@ -43,6 +43,7 @@ def test_cases_are_the_same_for_the_same_seed() -> None:
     assert draw_cases("daemon", 40, SEED + 1) != first
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hostile_frames_and_random_bytes_never_crash_hang_or_leak_the_daemon(
     start_daemon: DaemonFactory,
@@ -56,6 +57,7 @@ def test_hostile_frames_and_random_bytes_never_crash_hang_or_leak_the_daemon(
     assert {f"daemon:{kind}" for kind in kinds} <= set(result.cases)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hostile_frames_end_a_runner_with_its_protocol_code_or_leave_it_serving(
     tmp_path: Path,

@@ -11,6 +11,7 @@ from soak_run import report, run_soak
 DURATION_S = float(os.environ.get("SOAK_DURATION_S", "15"))
 
 
+@pytest.mark.slow
 @pytest.mark.soak
 @pytest.mark.timeout(DURATION_S + 300)
 def test_runners_killed_at_random_under_load_nothing_hangs_leaks_or_is_lost() -> None:

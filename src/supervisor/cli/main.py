@@ -139,6 +139,8 @@ def cmd_load(args: argparse.Namespace, client: Client) -> int:
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             on_progress=progress,
+            draft_model=args.draft_model,
+            num_draft_tokens=args.num_draft_tokens,
         )
     finally:
         progress.finish()
@@ -191,6 +193,8 @@ def cmd_generate(args: argparse.Namespace, client: Client) -> int:
             "batched": done.batched,
             "reasoning": gen.reasoning,
             "reasoning_tokens": done.reasoning_tokens,
+            "draft_tokens": done.draft_tokens,
+            "draft_accepted": done.draft_accepted,
         }
         sys.stdout.write(json.dumps(summary) + "\n")
     if done.max_tokens_clamped_to is not None:
@@ -425,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep no KV prefix cache for this model")  # fmt: skip
     p.add_argument("--pin", action="store_true",
                    help="never evict or expire this model")  # fmt: skip
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="speculative decoding: a smaller model with the same tokenizer "
+                        "(e.g. builtin:small-draft for builtin:small)")  # fmt: skip
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="tokens the draft proposes per step (default 3)")  # fmt: skip
     _kv_arguments(p)
     p.add_argument(
         "--context",

@@ -13,6 +13,7 @@ import msgspec
 from tqdm import tqdm
 
 from ipc.messages import CacheCleared, LoadProgress, RankInfo, RunnerInfo, StatusReply
+from supervisor.adapters import adapter_name
 from supervisor.memory.estimate import OVERHEAD_SOURCE_TEXT, Estimate, describe_kv_cache
 from supervisor.units import format_bytes, format_duration
 
@@ -82,7 +83,7 @@ def _runner_row(r: RunnerInfo, now: float) -> tuple[str, ...]:
         mlx = r.mlx_active_bytes + (r.mlx_cache_bytes or 0)
     return (
         r.name,
-        r.model,
+        _model_cell(r),
         str(r.pid) if r.pid is not None else "-",
         r.state,
         format_bytes(r.rss_bytes),
@@ -103,6 +104,15 @@ def _rank_row(rank: RankInfo) -> tuple[str, ...]:
     pid = str(rank.pid) if rank.pid is not None else "-"
     return (f"  rank {rank.rank}", rank.host, pid, rank.state,
             format_bytes(rank.rss_bytes), mlx, *("",) * 7)  # fmt: skip
+
+
+def _model_cell(r: RunnerInfo) -> str:
+    """The model's reference, then its LoRA adapters by name, the default first:
+    'builtin:tiny + adapters tiny-adapter*, sql'."""
+    if not r.adapters:
+        return r.model
+    names = [adapter_name(a) + ("*" if i == 0 else "") for i, a in enumerate(r.adapters)]
+    return f"{r.model} + adapters {', '.join(names)}"
 
 
 def _cache_cell(r: RunnerInfo) -> str:
@@ -150,6 +160,8 @@ def render_estimate(estimate: Estimate, model: str) -> str:
     ]
     if estimate.vision:
         rows.append(("vision encoder", estimate.vision_bytes))
+    if estimate.draft_model is not None:
+        rows.append((f"draft model ({estimate.draft_model})", estimate.draft_bytes))
     rows += [
         ("total", estimate.total_bytes),
         ("headroom", estimate.headroom_bytes),

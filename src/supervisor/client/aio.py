@@ -164,6 +164,7 @@ class AsyncClient(Endpoint):
     unload = client_method(commands.unload, run, "AsyncClient")
     shutdown = client_method(commands.shutdown, run, "AsyncClient")
     clear_cache = client_method(commands.clear_cache, run, "AsyncClient")
+    embed = client_method(commands.embed, run, "AsyncClient")
     reload = client_method(commands.reload, run, "AsyncClient")
     generate = client_method(commands.generate, AsyncGeneration, "AsyncClient")
     generate_text = client_method(

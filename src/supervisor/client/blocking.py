@@ -155,6 +155,7 @@ class Client(Endpoint):
     unload = client_method(commands.unload, run, "Client")
     shutdown = client_method(commands.shutdown, run, "Client")
     clear_cache = client_method(commands.clear_cache, run, "Client")
+    embed = client_method(commands.embed, run, "Client")
     reload = client_method(commands.reload, run, "Client")
     generate = client_method(commands.generate, Generation, "Client")
     generate_text = client_method(

@@ -25,6 +25,9 @@ from ipc.messages import (
     ChatMessage,
     ChatOptions,
     ClientMessage,
+    EmbeddingInput,
+    Embeddings,
+    EmbedRequest,
     ErrorReply,
     GenerateRequest,
     GenerationDone,
@@ -107,6 +110,8 @@ def load(
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
     on_progress: Callable[[LoadProgress], None] | None = None,
+    draft_model: str | None = None,
+    num_draft_tokens: int | None = None,
 ) -> Call[Loaded]:
     """Start a runner for ``model`` and wait until it is ready; ``on_progress``
     sees each LoadProgress on the way.
@@ -124,6 +129,7 @@ def load(
         local_model_reference(model), name, max_tokens, env or {}, restart,
         keep_alive_s, pinned, context_tokens, max_concurrent, prefix_cache, ranks, hostfile,
         kv_bits, kv_group_size,
+        None if draft_model is None else local_model_reference(draft_model), num_draft_tokens,
     )  # fmt: skip
     return Call(request, Loaded, progress)
 
@@ -153,6 +159,25 @@ def clear_cache(name: str, disk_only: bool = False) -> Call[CacheCleared]:
     return Call(CacheClearRequest(name, disk_only), CacheCleared)
 
 
+def embed(
+    name: str,
+    inputs: str | Sequence[EmbeddingInput],
+    *,
+    dimensions: int | None = None,
+    truncate: bool = False,
+) -> Call[Embeddings]:
+    """The vectors of ``inputs`` (a text, or a list of texts or of lists of
+    token ids) from the loaded embedding model ``name``: their ``floats()``,
+    or ``vectors`` as float32 bytes. ``dimensions``: that many leading
+    dimensions (Matryoshka models); ``truncate``: cut inputs over the
+    model's length instead of refusing them. A flat list of token ids is one
+    input, as OpenAI takes it."""
+    items: list[EmbeddingInput] = [inputs] if isinstance(inputs, str) else list(inputs)
+    if items and all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        items = [[int(item) for item in items]]  # type: ignore[arg-type]
+    return Call(EmbedRequest(name, items, dimensions, truncate), Embeddings)
+
+
 def generate(
     name: str,
     prompt: str | None = None,
@@ -167,6 +192,7 @@ def generate(
     sampling: SamplingParams | None = None,
     sampling_given: Sequence[str] | None = None,
     options: ChatOptions | None = None,
+    adapter: str | None = None,
 ) -> GenerateRequest:
     """Start a generation; iterate the result for text pieces (its
     ``reasoning``, ``tool_calls`` and ``logprobs`` gather on it). ``cache``
@@ -180,7 +206,8 @@ def generate(
     caller's choice (``temperature=0.0`` is greedy, whatever the model's
     default), unless ``sampling_given`` names those chosen (a model's
     defaults then fill in the others); ``options``: tools, tool_choice,
-    response_format and chat template arguments."""
+    response_format and chat template arguments; ``adapter``: one of the
+    model's LoRA adapters, by reference or name (None: its default, "": none)."""
     chat = None
     if messages is not None:
         chat = [msgspec.convert(m, ChatMessage) if isinstance(m, dict) else m for m in messages]
@@ -200,7 +227,8 @@ def generate(
             stop=tuple(stop),
         )
     return GenerateRequest(name=name, prompt=prompt, messages=chat, sampling=sampling, cache=cache,
-                           chat=options or ChatOptions(), sampling_given=given)  # fmt: skip
+                           chat=options or ChatOptions(), sampling_given=given,
+                           adapter=adapter)  # fmt: skip
 
 
 GENERATE_TEXT_DOC = """Generate to the end; return the whole text and the final stats.

@@ -44,10 +44,13 @@ MODEL_KEYS_NOW = frozenset({
     "keep_alive_s", "pinned", "restart", "preload",
 })  # fmt: skip
 """A loaded model's keys that apply to its next request. Every other key
-(the reference, env, kv_bits, context_tokens, max_tokens: the runner's own
-hard cap, max_concurrent: the runner's batch, prefix cache settings, ranks)
+(the reference, env, kv_bits, context_tokens, draft_model, num_draft_tokens,
+max_tokens: the runner's own hard cap, max_concurrent: the runner's batch,
+prefix cache settings, ranks)
 shapes its runner or its memory estimate, and waits for its next load."""
-DAEMON_KEYS_NOW = frozenset({"keep_alive_s", "queue_timeout_s", "max_queue", "load_on_demand"})
+DAEMON_KEYS_NOW = frozenset({"keep_alive_s", "queue_timeout_s", "max_queue", "load_on_demand",
+                             "allow_remote_images", "allow_private_image_hosts",
+                             "max_image_bytes", "max_images_per_request"})  # fmt: skip
 """Daemon-level keys read at each use."""
 DAEMON_KEYS_NEXT_LOAD = frozenset({
     "max_tokens", "max_concurrent", "prefix_cache", "prefix_cache_entries",

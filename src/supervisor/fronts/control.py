@@ -28,6 +28,7 @@ from ipc.messages import (
     CacheClearRequest,
     CancelRequest,
     ClientMessage,
+    EmbedRequest,
     ErrorCode,
     ErrorReply,
     GenerateRequest,
@@ -260,6 +261,10 @@ class ControlServer:
             await conn.send(await self.registry.unload(request.name))
         elif isinstance(request, CacheClearRequest):
             await conn.send(await self.registry.clear_cache(request.name, request.disk_only))
+        elif isinstance(request, EmbedRequest):
+            entry = self.registry.get(request.name)
+            await conn.send(await self.registry.embed(entry, request.inputs, request.dimensions,
+                                                      request.truncate))  # fmt: skip
         elif isinstance(request, ShutdownRequest):
             try:
                 count = await self.shutdown()

@@ -45,6 +45,7 @@ __all__ = [
     "estimate_model_dir",
     "estimate_reference",
     "local_model_path",
+    "with_draft",
     "with_runtime",
 ]
 
@@ -131,6 +132,11 @@ class Estimate(msgspec.Struct, frozen=True):
     headroom_bytes: int = 0  # planned on top of total_bytes (a share of the model's parts)
     kv_bits: int | None = None  # the KV cache quantized to this many bits (None: model dtype)
     kv_group_size: int | None = None  # values per scale and bias, with kv_bits
+    # A draft model (speculative decoding): its weights, KV cache, activations and
+    # overhead (it shares the runner's runtime), part of total_bytes; its headroom is in
+    # headroom_bytes. 0: no draft.
+    draft_bytes: int = 0
+    draft_model: str | None = None
 
     @property
     def planned_bytes(self) -> int:
@@ -372,6 +378,19 @@ def with_runtime(estimate: Estimate, runtime_bytes: int, source: str) -> Estimat
     )
 
 
+def with_draft(estimate: Estimate, draft: Estimate, draft_model: str) -> Estimate:
+    """``estimate`` with a draft model's needs added (its runner loads both): the draft's
+    parts but its runtime (one process holds both models), and its headroom."""
+    draft_part = draft.total_bytes - draft.runtime_bytes
+    return msgspec.structs.replace(
+        estimate,
+        draft_bytes=draft_part,
+        draft_model=draft_model,
+        total_bytes=estimate.total_bytes + draft_part,
+        headroom_bytes=estimate.headroom_bytes + draft.headroom_bytes,
+    )
+
+
 def estimate_model_dir(
     path: Path,
     context_tokens: int | None = None,
@@ -524,8 +543,9 @@ def estimate_reference(
             config, weights_bytes = _builtin_recipe(model)
         except ValueError:
             return None
+        vision = isinstance(config.get("vision_config"), dict)  # builtin:tiny-vision
         return _assemble(dict(config), weights_bytes, "builtin", None, context_tokens,
-                         vision=False, kv=(kv_bits, kv_group_size))  # fmt: skip
+                         vision=vision, kv=(kv_bits, kv_group_size))  # fmt: skip
     return None
 
 

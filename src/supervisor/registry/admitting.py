@@ -19,7 +19,7 @@ from ipc.messages import MemoryPlan
 from supervisor.boundary import contained
 from supervisor.events import EventHub
 from supervisor.memory.admission import Admission
-from supervisor.memory.estimate import estimate_reference
+from supervisor.memory.estimate import estimate_reference, with_draft
 from supervisor.memory.ranks import group_estimate
 from supervisor.metrics import Metrics
 from supervisor.registry.entries import ModelEntry
@@ -91,6 +91,15 @@ class Admitter:
                 estimate_reference, spec.model, spec.context_tokens,
                 kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
             ))  # fmt: skip
+            if estimate is not None and spec.draft_model is not None:  # the runner loads both
+                draft = await anyio.to_thread.run_sync(functools.partial(
+                    estimate_reference, spec.draft_model, spec.context_tokens,
+                    kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
+                ))  # fmt: skip
+                if draft is None:  # not on this machine yet: the model's alone is planned
+                    entry.log.warning("draft_estimate_missing", draft_model=spec.draft_model)
+                else:
+                    estimate = with_draft(estimate, draft, spec.draft_model)
         except (OSError, ValueError) as exc:  # unreadable or corrupt files: the load will say
             entry.log.warning("estimate_failed", error=str(exc))
         baseline = self.admission.baseline

@@ -17,6 +17,7 @@ import anyio
 import structlog
 
 from ipc.messages import (
+    DraftStats,
     EngineStats,
     ErrorCode,
     ExitInfo,
@@ -26,6 +27,7 @@ from ipc.messages import (
     RunnerInfo,
     RunnerState,
 )
+from supervisor.adapters import adapter_list
 from supervisor.config import ModelConfig
 from supervisor.events import EventHub
 from supervisor.memory.estimate import Estimate
@@ -280,7 +282,19 @@ class ModelEntry:
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             ranks=handle.rank_info() if isinstance(handle, RunnerGroup) else [],
+            adapters=adapter_list(self.spec.adapters) if engine is None else list(engine.adapters),
+            adapter_switches=engine.adapter_switches if engine is not None else 0,
+            draft=self._draft(engine),
         )
+
+    def _draft(self, engine: EngineStats | None) -> DraftStats | None:
+        """The draft model as the runner reports it, else (no runner loaded) as the spec
+        asks, with no counts yet; None without one."""
+        if engine is not None:
+            return engine.draft
+        if self.spec.draft_model is None:
+            return None
+        return DraftStats(self.spec.draft_model, self.spec.num_draft_tokens)
 
     def _kv_quantization(self, engine: EngineStats | None) -> tuple[int | None, int | None]:
         """The KV cache's bits and group size: as the runner reports them, else (no runner

@@ -31,6 +31,7 @@ from ipc.messages import (
     CacheCleared,
     ChatMessage,
     ChatOptions,
+    Embeddings,
     EngineSettings,
     ExitInfo,
     GenerateRequest,
@@ -409,6 +410,17 @@ class Registry:
         (see :meth:`RequestRelay.count_tokens`). Raises RequestError."""
         return await self.requests.count_tokens(entry, messages, prompt, chat)
 
+    async def embed(
+        self,
+        entry: ModelEntry,
+        inputs: list[str | list[int]],
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> Embeddings:
+        """The vectors of ``inputs`` from ``entry``'s embedding model (see
+        :meth:`RequestRelay.embed`). Raises RequestError."""
+        return await self.requests.embed(entry, inputs, dimensions, truncate)
+
     async def generate(
         self,
         request: GenerateRequest,
@@ -472,6 +484,7 @@ class Registry:
     async def shutdown(self) -> int:
         """Unload every model and stop the spare, in parallel. Returns the model count."""
         self.closing = True
+        self.spare.closing = True  # now, before its task can start a spare we would wait for
         names = list(self.entries)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.spare.stop)

@@ -13,22 +13,27 @@ from collections.abc import Awaitable, Callable
 import anyio
 import msgspec
 
-from ipc import ChannelClosed
-from ipc.messages import NO_MODEL_LOADED as NO_MODEL
+from ipc import ChannelClosed, FrameTooLarge
 from ipc.messages import (
+    EMBED_CANCELLED,
     CacheCleared,
     ChatMessage,
     ChatOptions,
     ClearCache,
     CountTokens,
+    Embed,
+    Embeddings,
     Generate,
     GenerateRequest,
     GenerationDone,
     GenerationFailed,
+    RunnerCommand,
     TextChunk,
     TokenCount,
 )
+from ipc.messages import NO_MODEL_LOADED as NO_MODEL
 from ipc.messages import Cancel as CancelCommand
+from supervisor.adapters import adapter_for
 from supervisor.config import SupervisorConfig
 from supervisor.metrics import Front, Metrics
 from supervisor.registry.defaults import with_model_defaults, with_system_prompt
@@ -80,6 +85,7 @@ class RequestRelay:
         self.idle_changed = idle_changed
         self._request_ids = itertools.count(1)
         self._counting: dict[str, anyio.Lock] = {}  # per model: one token count at a time
+        self._embedding: Counter[str] = Counter()  # per model: embeds in flight
 
     async def clear_cache(self, name: str, disk_only: bool = False) -> CacheCleared:
         """Drop the named model's prefix cache, both tiers (``disk_only``: only
@@ -139,7 +145,7 @@ class RequestRelay:
         waiter = handle.expect(TokenCount, request_id)
         try:
             async with self._counting.setdefault(entry.name, anyio.Lock()):
-                await handle.send(CountTokens(request_id, prompt, messages, chat))
+                await send_request(handle, CountTokens(request_id, prompt, messages, chat))
                 with anyio.fail_after(self.config.decode_stall_s):
                     event = await waiter.wait()
         except TimeoutError:
@@ -156,6 +162,97 @@ class RequestRelay:
             raise RequestError("bad_request", f"the chat template of {entry.name} failed: "
                                f"{event.error}")  # fmt: skip
         return event.tokens
+
+    async def embed(
+        self,
+        entry: ModelEntry,
+        inputs: list[str | list[int]],
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> Embeddings:
+        """The vectors of ``inputs`` from ``entry``'s embedding model (see
+        :meth:`_embed`), once the fields are checked; at most ``max_queue``
+        embeds per model at once (past it: error ``busy``).
+
+        Raises:
+            RequestError: as :meth:`_embed`; bad_request: a token id or
+                ``dimensions`` out of range; busy: too many embeds.
+        """
+        check_embed_fields(inputs, dimensions)
+        if self._embedding[entry.name] >= self.config.max_queue:
+            self.counters["requests_refused_busy"] += 1
+            raise RequestError("busy", f"{entry.name} has {self._embedding[entry.name]} embed "
+                               "requests in flight (max_queue)")  # fmt: skip
+        self._embedding[entry.name] += 1
+        try:
+            return await self._embed(entry, inputs, dimensions, truncate)
+        finally:
+            self._embedding[entry.name] -= 1
+
+    async def _embed(
+        self,
+        entry: ModelEntry,
+        inputs: list[str | list[int]],
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> Embeddings:
+        """The vectors of ``inputs`` from ``entry``'s embedding model.
+
+        Waits through the model's load or restart (up to queue_timeout_s);
+        takes no generation slot: the runner computes the vectors in batches,
+        a batch per turn of its loop. The model is busy meanwhile
+        (neither expired nor evicted). A wait that ends without an answer (a
+        timeout, the caller cancelled) cancels the request in the runner.
+
+        Raises:
+            RequestError: the model is crashed, failed or stopping, or not
+                ready in time; its runner died or did not answer in time;
+                not_ready: the model unloaded before the vectors were done;
+                bad_request: not an embedding model, or inputs it refused.
+        """
+        refuse_if_removed(entry)
+        try:
+            with anyio.fail_after(self.config.queue_timeout_s):
+                handle = await entry.wait_ready()
+        except TimeoutError:
+            raise RequestError("not_ready", f"{entry.name} was not ready in time") from None
+        request_id = next(self._request_ids)
+        waiter = handle.expect(Embeddings, request_id)
+        entry.request_started()
+        entry.touch()
+        self.idle_changed()
+        answered = False
+        try:
+            await send_request(handle, Embed(request_id, inputs, dimensions, truncate))
+            # Behind other requests' batches: as long as a queue wait, and a stall more.
+            with anyio.fail_after(self.config.queue_timeout_s + self.config.decode_stall_s):
+                event = await waiter.wait()
+            answered = True
+        except TimeoutError:
+            raise RequestError("not_ready", f"{entry.name} did not answer in time") from None
+        except RunnerGone as gone:
+            answered = True  # no runner to cancel it in
+            if entry.state == "stopping":
+                raise RequestError("not_ready", unloaded_mid_embed(entry.name)) from None
+            raise RequestError("runner_died", f"runner of {entry.name} died: "
+                               f"{gone.exit.cause}") from None  # fmt: skip
+        finally:
+            if not answered:  # stop the runner computing vectors for no one
+                with anyio.CancelScope(shield=True), contextlib.suppress(RunnerGone):
+                    await handle.send(CancelCommand(request_id))
+            waiter.cancel()
+            entry.request_finished()
+            entry.touch()
+            self.idle_changed()
+        assert isinstance(event, Embeddings)
+        if event.error == NO_MODEL:
+            raise RequestError("not_ready", f"{entry.name} has no model loaded")
+        if event.error == EMBED_CANCELLED:  # only a runner shutting down cancels on its own
+            raise RequestError("not_ready", unloaded_mid_embed(entry.name))
+        if event.error is not None:
+            bad = event.invalid_request  # the request could not run: the caller's fault
+            raise RequestError("bad_request" if bad else "generation_failed", event.error)
+        return event
 
     async def generate(
         self,
@@ -225,6 +322,11 @@ class RequestRelay:
         entry = entry_named(self.entries, request.name)
         refuse_if_removed(entry)
         request = with_model_defaults(request, entry.spec)  # the config's, as it is now
+        try:  # an adapter the config lists, or the base model: never a path of the client's
+            adapter = adapter_for(entry.spec.adapters, entry.name, request.adapter)
+        except ValueError as exc:
+            raise RequestError("bad_request", str(exc)) from None
+        request = msgspec.structs.replace(request, adapter="" if adapter is None else adapter)
         try:
             await self._generate_with_retry(entry, request, emit, cancel, on_queued)
         finally:
@@ -405,9 +507,9 @@ class RequestRelay:
         try:
             command = Generate(
                 request_id, request.prompt, request.messages, request.sampling, request.cache,
-                request.chat,
+                request.chat, adapter=request.adapter or None,
             )  # fmt: skip
-            await handle.send(command)
+            await send_request(handle, command)
             client_gone = False
             held: tuple[RequestEvent, bytes] | None = None
             while True:
@@ -415,7 +517,10 @@ class RequestRelay:
                 held = None
                 if isinstance(event, GenerationFailed):
                     bad = event.invalid_request  # the request could not run: the caller's fault
-                    raise RequestError("bad_request" if bad else "generation_failed", event.error)
+                    error = event.error
+                    if bad and any(m.images for m in request.messages or ()):
+                        error = f"{entry.name}: {error}"  # which model refused the images
+                    raise RequestError("bad_request" if bad else "generation_failed", error)
                 streamed[0] = True
                 relayed: bytes | None = body
                 if isinstance(event, TextChunk):
@@ -439,6 +544,45 @@ class RequestRelay:
                     return
         finally:
             stream.close()
+
+
+async def send_request(handle: Runner, command: RunnerCommand) -> None:
+    """Send a request's command to its runner; one over the frame limit
+    (images, a long prompt) fails that request alone: nothing was sent.
+
+    Raises:
+        RequestError: too_large.
+        RunnerGone: the runner has exited.
+    """
+    try:
+        await handle.send(command)
+    except FrameTooLarge as exc:
+        raise RequestError("too_large", f"request too large: {exc.size} bytes, over the "
+                           f"{exc.limit}-byte frame limit (max_frame_bytes)") from None  # fmt: skip
+
+
+MAX_TOKEN_ID = 2**31 - 1
+MAX_EMBED_DIMENSIONS = 65536
+
+
+def check_embed_fields(inputs: list[str | list[int]], dimensions: int | None) -> None:
+    """Refuse token ids and ``dimensions`` out of any model's range (before
+    they reach a frame: a huge integer cannot be encoded).
+
+    Raises:
+        RequestError: bad_request, naming the field.
+    """
+    if dimensions is not None and not 1 <= dimensions <= MAX_EMBED_DIMENSIONS:
+        raise RequestError("bad_request", f"dimensions must be 1 to {MAX_EMBED_DIMENSIONS}, "
+                           f"not {dimensions}")  # fmt: skip
+    for index, item in enumerate(inputs):
+        if isinstance(item, list) and not all(0 <= t <= MAX_TOKEN_ID for t in item):
+            raise RequestError("bad_request", f"input[{index}]: token ids are 0 to "
+                               f"{MAX_TOKEN_ID}")  # fmt: skip
+
+
+def unloaded_mid_embed(name: str) -> str:
+    return f"{name} was unloaded (or restarted) before the embeddings were done; send it again"
 
 
 def merged_chunks(request_id: int, chunks: list[TextChunk]) -> TextChunk:

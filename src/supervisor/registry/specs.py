@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from ipc.messages import EngineSettings, LoadRequest
+from supervisor.adapters import adapter_list
 from supervisor.config import ModelConfig, SupervisorConfig, kv_cache_dir
 from supervisor.registry.entries import RequestError
 from supervisor.runners.placement import is_group
@@ -45,7 +46,7 @@ def merge_spec(config: SupervisorConfig, request: LoadRequest) -> ModelConfig:
     fields.update(name=name, model=request.model, env=env)
     keys = ("max_tokens", "restart", "keep_alive_s", "pinned", "context_tokens",
             "max_concurrent", "prefix_cache", "ranks", "hostfile", "kv_bits",
-            "kv_group_size")  # fmt: skip
+            "kv_group_size", "draft_model", "num_draft_tokens")  # fmt: skip
     for key in keys:
         value = getattr(request, key)
         if value is not None:
@@ -114,4 +115,7 @@ def engine_settings(config: SupervisorConfig, spec: ModelConfig) -> EngineSettin
         kv_group_size=spec.kv_group_size,
         prefix_cache_disk_bytes=0 if is_group(spec) else disk_bytes,
         prefix_cache_dir=str(kv_cache_dir(config)),
+        adapters=tuple(adapter_list(spec.adapters)),
+        draft_model=spec.draft_model,
+        num_draft_tokens=spec.num_draft_tokens,
     )  # fmt: skip

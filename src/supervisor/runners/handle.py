@@ -35,6 +35,7 @@ from ipc import ChannelClosed, Codec, ProtocolError
 from ipc.aio import AsyncChannel, FdStream
 from ipc.messages import (
     CacheCleared,
+    Embeddings,
     EngineReport,
     EngineStats,
     Environment,
@@ -405,7 +406,8 @@ class RunnerHandle:
                     self.log.info("runner_warm", import_s=round(event.import_s, 3))
                 elif isinstance(event, EngineReport):
                     self.engine_stats = event.engine
-                elif isinstance(event, CacheCleared | TokenCount):  # answers: unawaited, dropped
+                elif isinstance(event, CacheCleared | TokenCount | Embeddings):
+                    # answers to a command: to their waiter; unawaited, dropped
                     for waiter in [w for w in self._waiters if w.wants(event)]:
                         self._waiters.remove(waiter)
                         waiter.deliver(event)

@@ -8,6 +8,7 @@ never competes with a load for the CPU.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -16,6 +17,7 @@ import structlog
 
 from ipc.messages import FAULTS_ENV, SpareInfo
 from supervisor.config import ModelConfig, SupervisorConfig
+from supervisor.runners.escalation import Rung
 from supervisor.runners.handle import RunnerHandle, RunnerStartError
 from supervisor.system import process_rss
 from supervisor.waiting import Backoff, first_of
@@ -52,6 +54,7 @@ class HotSpare:
         self.failures = 0  # spares in a row that failed to start or died unclaimed
         self.failure: str | None = None  # the last one's cause
         self._spawn_done: anyio.Event | None = None  # set when the spawn in progress ends
+        self._spawning: RunnerHandle | None = None  # the spare being spawned, until it says hello
 
     def take(self, spec: ModelConfig) -> RunnerHandle | None:
         """The spare, adopted by ``spec``, or None if there is no live one.
@@ -117,14 +120,18 @@ class HotSpare:
         """Start one spare and keep it until it is claimed and its model is
         ready, or it dies. Returns whether it was healthy (it got warm);
         otherwise ``self.failure`` says why not."""
+        if self.closing:  # the daemon began to stop while the last spare was claimed
+            return True
         handle = RunnerHandle(ModelConfig(name=SPARE_NAME, model=""), self.config)
         spawn_done = self._spawn_done = anyio.Event()
+        self._spawning = handle
         try:
             await self._spawn(handle)
         except RunnerStartError as exc:
             self.failure = str(exc)
             return False
         finally:
+            self._spawning = None
             spawn_done.set()
         self.current = handle  # before stop() can look: it resumes only after we wait
         await first_of(handle.claimed, handle.exited)
@@ -141,13 +148,20 @@ class HotSpare:
     async def stop(self) -> None:
         """Stop making spares and shut the current one down (escalating).
 
-        A spare still being spawned is waited for (its handshake is bounded by
-        ``handshake_timeout_s``), then stopped the same way: it never outlives
-        this call to die by the task group's cancel, outside the kill ladder.
+        A spare still being spawned holds no model yet: it is SIGKILLed at
+        once and its failed handshake reaps it (not waited for, which took up
+        to its import time); it never outlives this call to die by the task
+        group's cancel, outside the kill ladder.
         """
         self.closing = True
+        if self._spawning is not None:  # no model in it yet: no need to wait for its hello
+            self._spawning.signal(signal.SIGKILL)
         if self._spawn_done is not None:
             await self._spawn_done.wait()
         spare, self.current = self.current, None
         if spare is not None and spare.alive:
-            await spare.escalate("daemon shutdown")
+            # One still importing mlx reads no Shutdown until it is done: it holds nothing
+            # that needs one, so SIGTERM ends it at once.
+            first: Rung = "shutdown" if spare.warm.is_set() else "sigterm"
+            spare.stop_requested = True  # either way, a stop we asked for: no failure
+            await spare.escalate("daemon shutdown", first=first)

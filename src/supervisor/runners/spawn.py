@@ -33,7 +33,7 @@ class Spawned:
     command_fd: int  # our commands go out here
 
 
-def ssh_argv(ssh_command: list[str], host: str) -> list[str]:
+def ssh_argv(ssh_command: list[str], host: str, max_frame_bytes: int) -> list[str]:
     """``ssh HOST COMMAND`` for a rank on another machine, as ``mlx.launch``
     runs one: the same python and working directory as here (install
     mlx-supervisor alike on every machine). Frames travel on the session's
@@ -43,6 +43,7 @@ def ssh_argv(ssh_command: list[str], host: str) -> list[str]:
     runner = [
         "env", "PYTHONUNBUFFERED=1", sys.executable, "-m", "runner",
         "--read-fd", "0", "--write-fd", "3", "--parent-pid", "0", "--env-first",
+        "--max-frame-bytes", str(max_frame_bytes),
     ]  # fmt: skip
     command = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(runner)} 3>&1 1>&2"
     return [*ssh_command, "--", host, command]
@@ -68,11 +69,12 @@ async def spawn_runner(spec: ModelConfig, config: SupervisorConfig, host: str | 
         "--read-fd", str(command_r),
         "--write-fd", str(event_w),
         "--parent-pid", str(os.getpid()),
+        "--max-frame-bytes", str(config.max_frame_bytes),
     ]  # fmt: skip
     # A remote rank's pipes are its ssh session's stdin and stdout.
     remote = host is not None
     if host is not None:
-        argv = ssh_argv(config.ssh_command, host)
+        argv = ssh_argv(config.ssh_command, host, config.max_frame_bytes)
     try:
         process = await anyio.open_process(
             argv,

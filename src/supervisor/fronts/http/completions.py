@@ -21,10 +21,11 @@ import structlog
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from ipc.messages import GenerateRequest, GenerationDone, LoadProgress, TextChunk
+from ipc.messages import ChatMessage, GenerateRequest, GenerationDone, LoadProgress, TextChunk
 from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.dialect import CompletionCall, Dialect
 from supervisor.fronts.http.errors import ApiError, internal_error
+from supervisor.fronts.http.images import RemoteImage, ready_images
 from supervisor.fronts.http.openai_api import OpenAIChat, OpenAIText
 from supervisor.fronts.http.openai_replies import broken_tool_call
 from supervisor.fronts.http.requests import ApiKey
@@ -96,10 +97,22 @@ class Completions:
         async def work() -> None:
             entry = await self.model_for(call.model, cancel, writer if call.stream else None)
             if entry is not None:
+                await self.ready_images(call.messages, call.remote_images, entry)
                 await self._generate(call, dialect, entry, writer, cancel)
                 await self.keep_alive(entry, call.keep_alive_s)
 
         await beside(functools.partial(watch_disconnect, receive, cancel, writer), work)
+
+    async def ready_images(
+        self, messages: list[ChatMessage] | None, remote: list[RemoteImage], entry: ModelEntry
+    ) -> None:
+        """A call's images for ``entry``'s model: refused if it is known to be
+        text-only, its http(s) ones fetched (see
+        :func:`~supervisor.fronts.http.images.ready_images`). Raises ApiError."""
+        if not remote and not any(message.images for message in messages or ()):
+            return
+        vision = entry.estimate.vision if entry.estimate is not None else None
+        await ready_images(messages, remote, self.config, entry.name, vision)
 
     async def keep_alive(
         self, entry: ModelEntry, keep_alive_s: float | Literal["default"] | None
@@ -183,6 +196,7 @@ class Completions:
             name=entry.name, prompt=call.prompt, messages=call.messages,
             sampling=msgspec.structs.replace(call.sampling, max_tokens=max_tokens),
             chat=call.options, sampling_given=(*call.sampling_given, *length_given),
+            adapter=call.adapter,
         )  # fmt: skip
         answer = dialect.answer(call, entry.name)
         limit_calls = 1 if call.single_tool_call else None

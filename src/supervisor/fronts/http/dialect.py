@@ -17,6 +17,7 @@ import msgspec
 from starlette.requests import Request
 
 from ipc.messages import ChatMessage, ChatOptions, GenerationDone, SamplingParams, TextChunk
+from supervisor.fronts.http.images import RemoteImage
 from supervisor.fronts.http.streaming import Framing
 from supervisor.metrics import Front
 
@@ -48,6 +49,8 @@ class CompletionCall(msgspec.Struct, kw_only=True):
     include_usage: bool = False
     single_tool_call: bool = False
     keep_alive_s: float | Literal["default"] | None = None
+    adapter: str | None = None  # a LoRA adapter of the model's (None: its default)
+    remote_images: list[RemoteImage] = []  # http(s) images, fetched once the model is known
 
 
 class Answer(Protocol):

@@ -21,6 +21,7 @@ ENCODER = msgspec.json.Encoder()
 # Every registry error code, as an HTTP status and an OpenAI error type.
 ERROR_STATUS: dict[ErrorCode, tuple[int, str]] = {
     "bad_request": (400, "invalid_request_error"),
+    "too_large": (413, "invalid_request_error"),  # over max_frame_bytes as a runner command
     "protocol": (400, "invalid_request_error"),
     "forbidden": (403, "permission_error"),
     "unknown_model": (404, "not_found_error"),

@@ -11,8 +11,8 @@ into its reasoning; Anthropic's tools into OpenAI function tools, as chat
 templates take them. The text blocks of one turn are joined with a blank
 line between them.
 
-Every field is honoured or refused with a 400 that names it: images and
-documents, server tools, an assistant turn last (a prefill: the chat
+Every field is honoured or refused with a 400 that names it: documents,
+server tools, an assistant turn last (a prefill: the chat
 template would start a new answer, not go on with it). On purpose, some
 things are accepted and ignored: :data:`IGNORED_FIELDS`, which label a
 request on Anthropic's side; ``cache_control`` wherever it is (our prefix
@@ -46,6 +46,14 @@ from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ENCODER
+from supervisor.fronts.http.images import (
+    ImageUrl,
+    RemoteImage,
+    attach_images,
+    check_images,
+    decode_base64,
+    image_from_url,
+)
 from supervisor.fronts.http.messages_replies import ANTHROPIC, MessagesAnswer
 from supervisor.fronts.http.openai_requests import MaxTokens, Strict, Unit, bad, reasoning_kwargs
 from supervisor.fronts.http.requests import ApiKey, guarded, read_json
@@ -100,15 +108,26 @@ class RedactedThinkingBlock(Strict, tag="redacted_thinking", tag_field="type", k
     data: str
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+class ImageBlock(Strict, tag="image", tag_field="type", kw_only=True):
+    """An image in a user turn: ``{"type": "base64", "media_type", "data"}``
+    or ``{"type": "url", "url"}`` (see :mod:`~supervisor.fronts.http.images`)."""
+
+    source: dict[str, Any]
+    cache_control: Any = None
+
+
+ContentBlock = (
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | ImageBlock
+)
 BLOCK_TYPES: dict[str, type[ContentBlock]] = {
     "text": TextBlock,
     "tool_use": ToolUseBlock,
     "tool_result": ToolResultBlock,
     "thinking": ThinkingBlock,
     "redacted_thinking": RedactedThinkingBlock,
+    "image": ImageBlock,
 }
-LATER_BLOCK_TYPES = ("image", "document")  # refused for now, by name
+LATER_BLOCK_TYPES = ("document",)  # refused for now, by name
 
 
 class CustomTool(Strict, kw_only=True):
@@ -248,10 +267,11 @@ def text_of(content: str | list[dict[str, Any]], where: str) -> str:
     return TURN_SEPARATOR.join(texts)
 
 
-def turn_messages(turn: Turn, where: str) -> list[ChatMessage]:
+def turn_messages(turn: Turn, where: str) -> tuple[list[ChatMessage], list[RemoteImage]]:
     """One Anthropic turn as the runner's chat messages: a user turn's tool
     results as ``tool`` turns before its text; an assistant turn's tool
-    calls and thinking. Raises ApiError."""
+    calls and thinking. And the http(s) images to fetch into them. Raises
+    ApiError."""
     content = turn.content
     raws = [{"type": "text", "text": content}] if isinstance(content, str) else content
     blocks = [(f"{where}.content[{j}]", block_of(raw, f"{where}.content[{j}]"))
@@ -259,16 +279,25 @@ def turn_messages(turn: Turn, where: str) -> list[ChatMessage]:
     if turn.role == "user":
         return user_messages(blocks)
     if turn.role == "assistant":
-        return [assistant_message(blocks)]
+        return [assistant_message(blocks)], []
     raise bad(f"{where}.role", f"unsupported role {turn.role!r} (user or assistant; the "
               "system prompt is the body's system field)")  # fmt: skip
 
 
-def user_messages(blocks: list[tuple[str, ContentBlock]]) -> list[ChatMessage]:
-    """A user turn's tool results (``is_error``: the text says so), then its text."""
-    results, texts = [], []
+def user_messages(
+    blocks: list[tuple[str, ContentBlock]],
+) -> tuple[list[ChatMessage], list[RemoteImage]]:
+    """A user turn's tool results (``is_error``: the text says so), then its
+    text and images; the http(s) images to fetch into it."""
+    results: list[ChatMessage] = []
+    texts: list[str] = []
+    images: list[bytes | ImageUrl] = []
+    offsets: list[int] = []
     for where, block in blocks:
-        if isinstance(block, ToolResultBlock):
+        if isinstance(block, ImageBlock):
+            images.append(image_of(block, where))
+            offsets.append(len(TURN_SEPARATOR.join(texts)))
+        elif isinstance(block, ToolResultBlock):
             text = text_of(block.content, f"{where}.content")
             if block.is_error:
                 text = f"Error: {text}"
@@ -278,9 +307,27 @@ def user_messages(blocks: list[tuple[str, ContentBlock]]) -> list[ChatMessage]:
         else:
             kind = block_tag(block)
             raise bad(where, f"a user turn holds text and tool_result blocks, not {kind}")
-    if texts or not results:
-        results.append(ChatMessage("user", TURN_SEPARATOR.join(texts)))
-    return results
+    remote: list[RemoteImage] = []
+    if texts or images or not results:
+        message = ChatMessage("user", TURN_SEPARATOR.join(texts), image_offsets=offsets or None)
+        remote = attach_images(message, images)
+        results.append(message)
+    return results, remote
+
+
+def image_of(block: ImageBlock, where: str) -> bytes | ImageUrl:
+    """An image block's bytes (or an http(s) URL to fetch). Raises ApiError."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return decode_base64(source["data"], f"{where}.source.data")
+    if kind == "url" and isinstance(source.get("url"), str):
+        url: str = source["url"]
+        if not url.startswith(("http://", "https://", "data:")):
+            raise bad(f"{where}.source.url", "an image url must be http(s)")
+        return image_from_url(url, f"{where}.source.url")
+    raise bad(f"{where}.source", 'an image source is {"type": "base64", "media_type", "data"} '
+              'or {"type": "url", "url"}')  # fmt: skip
 
 
 def assistant_message(blocks: list[tuple[str, ContentBlock]]) -> ChatMessage:
@@ -309,8 +356,9 @@ def block_tag(block: ContentBlock) -> str:
     return str(block.__struct_config__.tag)
 
 
-def chat_messages(body: Prompt) -> list[ChatMessage]:
-    """The system prompt and the turns as the runner takes them. Raises ApiError."""
+def chat_messages(body: Prompt) -> tuple[list[ChatMessage], list[RemoteImage]]:
+    """The system prompt and the turns as the runner takes them, and the
+    http(s) images to fetch into them. Raises ApiError."""
     if not body.messages:
         raise bad("messages", "messages is empty")
     if body.messages[-1].role == "assistant":
@@ -318,11 +366,14 @@ def chat_messages(body: Prompt) -> list[ChatMessage]:
         raise bad(f"messages[{last}]", "the last turn is the assistant's (a prefill): not "
                   "supported, the answer would not go on from it")  # fmt: skip
     messages = []
+    remote: list[RemoteImage] = []
     if body.system:
         messages.append(ChatMessage("system", text_of(body.system, "system")))
     for i, turn in enumerate(body.messages):
-        messages += turn_messages(turn, f"messages[{i}]")
-    return messages
+        turn_chat, turn_remote = turn_messages(turn, f"messages[{i}]")
+        messages += turn_chat
+        remote += turn_remote
+    return messages, remote
 
 
 def function_tool(raw: dict[str, Any], where: str) -> dict[str, Any]:
@@ -405,8 +456,9 @@ def messages_call(body: MessagesRequest) -> MessagesCall:
     choice = body.tool_choice
     single = bool(options.tools and choice is not None and choice.disable_parallel_tool_use)
     shown = body.thinking is None or body.thinking.display != "omitted"
+    messages, remote = chat_messages(body)
     return MessagesCall(
-        chat=True, model=body.model, messages=chat_messages(body), prompt=None,
+        chat=True, model=body.model, messages=messages, remote_images=remote, prompt=None,
         max_tokens=body.max_tokens, sampling=sampling, options=options,
         sampling_given=given(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stream=bool(body.stream), single_tool_call=single, show_thinking=shown,
@@ -429,7 +481,9 @@ class Messages:
 
     async def parse(self, request: Request) -> CompletionCall:
         body = await read_json(request, self._decoder, self.config)
-        return messages_call(body)
+        call = messages_call(body)
+        check_images(call.messages, call.remote_images, self.config)
+        return call
 
     def answer(self, call: CompletionCall, model: str) -> MessagesAnswer:
         assert isinstance(call, MessagesCall)
@@ -448,10 +502,12 @@ class TokenCounter:
     async def count(self, request: Request) -> Response:
         body = await read_json(request, self._decoder, self.completions.config)
         reasoning_budget(body.thinking)  # checked as a message's would be
-        messages, options = chat_messages(body), chat_options(body)
+        (messages, remote), options = chat_messages(body), chat_options(body)
+        check_images(messages, remote, self.completions.config)
         entry = await self.completions.model_for(body.model, anyio.Event())
         if entry is None:  # only a cancel gives none, and nothing cancels this one
             raise RequestError("internal", f"{body.model} was not found or loaded")
+        await self.completions.ready_images(messages, remote, entry)  # as a message's
         count = await self.completions.registry.count_tokens(entry, messages, None, options)
         return Response(ENCODER.encode({"input_tokens": count}), media_type="application/json")
 

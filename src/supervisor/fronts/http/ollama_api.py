@@ -9,7 +9,8 @@ translation and the answers' shapes are
 Models here are references in the daemon's config (or, with
 ``load_on_demand = "any"``, any reference), loaded on first use: ``/api/pull``
 has nothing to fetch and says so; creating, copying, pushing or deleting a
-model, and embeddings, are a clear 501.
+model are a clear 501. Embeddings (``/api/embed``, ``/api/embeddings``) are
+:mod:`supervisor.fronts.http.embeddings`'.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ENCODER, ApiError, internal_error
+from supervisor.fronts.http.images import check_images
 from supervisor.fronts.http.ollama_chat import (
     MAX_KEEP_ALIVE_S,
     ChatBody,
@@ -71,10 +73,6 @@ RUNNING = frozenset({"starting", "loading", "ready", "busy", "stopping"})
 """The states ``/api/ps`` lists: a runner that holds (or is taking) memory."""
 
 NOTHING_TO_PULL = "models load by reference on first use: there is nothing to pull"
-EMBEDDINGS_LATER = (
-    "embeddings come with a later release of mlx-supervisor; this one generates text "
-    "(/api/chat, /api/generate) only"
-)
 NOT_BLOBS = "models are references in the daemon's config ([[models]]), not blobs stored here"
 REFUSED: dict[str, str] = {
     "/api/create": f"{NOT_BLOBS}: add a [[models]] entry (name, model) instead",
@@ -83,8 +81,6 @@ REFUSED: dict[str, str] = {
     "/api/delete": f"{NOT_BLOBS}: there is nothing to delete (to free a model's memory, "
     "unload it: keep_alive 0, or mlx-supervisor unload NAME)",
     "/api/blobs/{digest}": f"{NOT_BLOBS}: there are none to upload",
-    "/api/embed": EMBEDDINGS_LATER,
-    "/api/embeddings": EMBEDDINGS_LATER,
 }
 METHODS = {"/api/delete": ["DELETE"], "/api/blobs/{digest}": ["HEAD", "POST"]}
 
@@ -187,14 +183,21 @@ class OllamaRequests:
         body.model = model_name(body.model)
         check_model(body.model)
         if isinstance(body, GenerateBody):
-            if body.prompt:
-                return generate_call(body, received_at)
+            if body.prompt or body.images:  # an image alone is a prompt too
+                return with_images(generate_call(body, received_at), self.config)
         elif body.messages:
-            return chat_call(body, received_at)
+            return with_images(chat_call(body, received_at), self.config)
         return ModelOp(body.model, keep_alive_seconds(body.keep_alive), self.generate)
 
     def answer(self, call: CompletionCall, model: str) -> OllamaAnswer:
         return OllamaAnswer(call, model, self.generate)
+
+
+def with_images(call: OllamaCall, config: SupervisorConfig) -> OllamaCall:
+    """``call``, its images held to the limits (Ollama's are all inline).
+    Raises ApiError."""
+    check_images(call.messages, call.remote_images, config)
+    return call
 
 
 class OllamaChat(OllamaRequests):

@@ -3,8 +3,8 @@ request they translate into, and their answers (newline-delimited JSON
 while they stream, one JSON object when they do not). The routes, and
 Ollama's other endpoints, live in :mod:`supervisor.fronts.http.ollama_api`.
 
-As on every front, each field is honoured or refused: ``images``, ``suffix``,
-a ``template``, a token ``context``, and the options of samplers mlx-lm does
+As on every front, each field is honoured or refused: ``suffix``, a
+``template``, a token ``context``, and the options of samplers mlx-lm does
 not have are a 400 that names them. The options that tune Ollama's own
 runtime and hardware, and change nothing about the tokens, are accepted and
 ignored on purpose (:data:`IGNORED_OPTIONS`).
@@ -39,6 +39,7 @@ from ipc.messages import (
 )
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ENCODER, ApiError
+from supervisor.fronts.http.images import data_url_bytes, decode_base64
 from supervisor.fronts.http.openai_replies import entry_bytes, supervisor_fields, token_bytes
 from supervisor.fronts.http.openai_requests import (
     Penalty,
@@ -56,7 +57,6 @@ THINK_LEVELS = ("low", "medium", "high")
 ROLES = ("system", "user", "assistant", "tool")
 NO_LIMIT = (-2, -1, 0)  # num_predict: fill the context, no limit, not set
 WHOLE_CONTEXT = 1 << 20  # repeat_last_n -1 (the whole context): a window no context exceeds
-IMAGES_LATER = "images come with a later release; this one takes text only"
 
 
 # --- request bodies --------------------------------------------------------------
@@ -366,8 +366,7 @@ def chat_messages(turns: list[Turn]) -> list[ChatMessage]:
         if role not in ROLES:
             raise bad(f"{where}.role", f"unsupported role {turn.role!r} (one of "
                       f"{', '.join(ROLES)})")  # fmt: skip
-        if turn.images:
-            raise bad(f"{where}.images", IMAGES_LATER)
+        images = ollama_images(turn.images, f"{where}.images")
         calls = None
         if turn.tool_calls:
             if role != "assistant":
@@ -382,9 +381,21 @@ def chat_messages(turns: list[Turn]) -> list[ChatMessage]:
             call_id = answered.id if answered else None
             name = turn.tool_name or (answered.name if answered else None)
         messages.append(ChatMessage(role, turn.content or "", tool_calls=calls,
-                                    tool_call_id=call_id, name=name,
-                                    reasoning=turn.thinking))  # fmt: skip
+                                    tool_call_id=call_id, name=name, reasoning=turn.thinking,
+                                    images=images or None,
+                                    image_offsets=[0] * len(images) or None))  # fmt: skip
     return messages
+
+
+def ollama_images(images: list[str] | None, where: str) -> list[bytes]:
+    """Ollama's ``images``: base64 (a data URL too), placed before the text
+    as Ollama's templates place them. Raises ApiError."""
+    out = []
+    for j, data in enumerate(images or ()):
+        param = f"{where}[{j}]"
+        out.append(data_url_bytes(data, param) if data.startswith("data:")
+                   else decode_base64(data, param))  # fmt: skip
+    return out
 
 
 def ollama_call(
@@ -437,15 +448,17 @@ def generate_call(body: GenerateBody, received_at: float) -> OllamaCall:
     if body.context:
         raise bad("context", "context (the token ids of an earlier answer) is not supported: "
                   "send the conversation to /api/chat")  # fmt: skip
-    if body.images:
-        raise bad("images", IMAGES_LATER)
+    images = ollama_images(body.images, "images")
+    if body.raw and images:
+        raise bad("images", "images need the chat template, which raw: true leaves out")
     if body.raw:
         for name in ("system", "think"):
             if getattr(body, name) is not None:
                 raise bad(name, f"{name} needs the chat template, which raw: true leaves out")
         return ollama_call(body, received_at, prompt=body.prompt)
     system = [ChatMessage("system", body.system)] if body.system else []
-    messages = [*system, ChatMessage("user", body.prompt or "")]
+    messages = [*system, ChatMessage("user", body.prompt or "", images=images or None,
+                                     image_offsets=[0] * len(images) or None)]  # fmt: skip
     return ollama_call(body, received_at, messages=messages)
 
 

@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.dialect import CompletionCall
+from supervisor.fronts.http.images import check_images
 from supervisor.fronts.http.openai_replies import OpenAIAnswer
 from supervisor.fronts.http.openai_requests import (
     ChatCompletionRequest,
@@ -33,7 +34,9 @@ class OpenAIChat:
 
     async def parse(self, request: Request) -> CompletionCall:
         body = await read_json(request, self._decoder, self.config)
-        return completion_call(body)
+        call = completion_call(body)
+        check_images(call.messages, call.remote_images, self.config)
+        return call
 
     def answer(self, call: CompletionCall, model: str) -> OpenAIAnswer:
         return OpenAIAnswer(call, model)

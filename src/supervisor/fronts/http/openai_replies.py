@@ -265,6 +265,9 @@ def supervisor_fields(done: GenerationDone) -> dict[str, Any]:
         "batched": done.batched,
         "max_tokens_clamped_to": done.max_tokens_clamped_to,
     }
+    if done.draft_tokens:  # speculative decoding: the draft's tokens checked and kept
+        ours["draft_tokens"] = done.draft_tokens
+        ours["draft_accepted"] = done.draft_accepted
     if done.invalid_tool_call is not None:
         ours["invalid_tool_call"] = done.invalid_tool_call
     return ours

@@ -3,7 +3,7 @@ one request they translate into (:func:`completion_call`). The objects of a
 reply live in :mod:`supervisor.fronts.http.openai_replies`.
 
 Every field of a body is either honoured or refused: a field we do not know,
-or cannot honour (images, ``n`` > 1, several prompts, ``echo``), is a 400
+or cannot honour (``n`` > 1, several prompts, ``echo``), is a 400
 naming it, because a parameter dropped in silence gives an answer the client
 did not ask for and no way to tell. The few fields that change nothing about
 the tokens (``user``, ``metadata``, ...) are accepted and ignored on purpose:
@@ -28,6 +28,7 @@ from ipc.messages import (
 )
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ApiError
+from supervisor.fronts.http.images import ImageUrl, RemoteImage, attach_images, image_from_url
 from supervisor.registry.defaults import given
 from supervisor.registry.registry import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -79,11 +80,13 @@ class Ignored(Strict, kw_only=True):
 
 
 class TextPart(msgspec.Struct):
-    """One part of a message's content; only text parts are understood (the
-    type is checked by itself, so that an image part is refused by name)."""
+    """One part of a message's content: text, or (in a user turn) an
+    ``image_url`` (the type is checked by itself, so that any other part is
+    refused by name)."""
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": ..., "detail": ...}, or the URL
 
 
 Content = str | list[TextPart] | None
@@ -178,6 +181,9 @@ class CompletionFields(Ignored, kw_only=True):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # mlx_lm.server's field: one of the model's LoRA adapters, by reference or
+    # name ("": none); the registry refuses any its config does not list.
+    adapters: Annotated[str, Meta(max_length=4096)] | None = None
 
 
 class ChatCompletionRequest(CompletionFields, kw_only=True):
@@ -230,13 +236,38 @@ def text_of(content: Content, param: str) -> str:
     return "".join(part.text or "" for part in content)
 
 
-def chat_messages(turns: list[ChatTurn]) -> list[ChatMessage]:
+def user_content(content: Content, param: str) -> tuple[str, list[bytes | ImageUrl], list[int]]:
+    """A user turn's text, and its ``image_url`` parts' images (data URLs'
+    bytes, or http(s) URLs to fetch, see :mod:`~supervisor.fronts.http.images`)
+    with the offset in the text where each goes. Raises ApiError for other parts."""
+    if not isinstance(content, list) or all(part.type != "image_url" for part in content):
+        return text_of(content, param), [], []
+    text: str = ""
+    images: list[bytes | ImageUrl] = []
+    offsets: list[int] = []
+    for k, part in enumerate(content):
+        where = f"{param}[{k}]"
+        if part.type == "text":
+            text += part.text or ""
+        elif part.type == "image_url":
+            url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+            if not isinstance(url, str) or not url:
+                raise bad(f"{where}.image_url.url", "an image_url part needs its url")
+            images.append(image_from_url(url, f"{where}.image_url.url"))
+            offsets.append(len(text))
+        else:
+            raise bad(param, f"only text and image_url content is supported, not {part.type}")
+    return text, images, offsets
+
+
+def chat_messages(turns: list[ChatTurn]) -> tuple[list[ChatMessage], list[RemoteImage]]:
     """The turns as the runner takes them: text content, an assistant's tool
-    calls (their arguments must be JSON), a tool turn's answer to one call.
-    Raises ApiError."""
+    calls (their arguments must be JSON), a tool turn's answer to one call;
+    and the http(s) images to fetch into them. Raises ApiError."""
     if not turns:
         raise bad("messages", "messages is empty")
     messages = []
+    remote: list[RemoteImage] = []
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
         role = ROLES.get(turn.role)
@@ -257,12 +288,20 @@ def chat_messages(turns: list[ChatTurn]) -> list[ChatMessage]:
                 calls.append(ToolCall(call.id, call.function.name, call.function.arguments))
         if role == "tool" and not turn.tool_call_id:
             raise bad(f"{where}.tool_call_id", "a tool turn names the call it answers")
-        messages.append(ChatMessage(
-            role, text_of(turn.content, f"{where}.content"), tool_calls=calls,
+        images: list[bytes | ImageUrl] = []
+        offsets: list[int] = []
+        if role == "user":
+            text, images, offsets = user_content(turn.content, f"{where}.content")
+        else:
+            text = text_of(turn.content, f"{where}.content")
+        message = ChatMessage(
+            role, text, tool_calls=calls,
             tool_call_id=turn.tool_call_id if role == "tool" else None, name=turn.name,
-            reasoning=turn.reasoning_content or turn.reasoning,
-        ))  # fmt: skip
-    return messages
+            reasoning=turn.reasoning_content or turn.reasoning, image_offsets=offsets or None,
+        )  # fmt: skip
+        remote += attach_images(message, images)
+        messages.append(message)
+    return messages, remote
 
 
 def tool_names(tools: list[dict[str, Any]]) -> list[str]:
@@ -384,12 +423,14 @@ def completion_call(body: ChatCompletionRequest | CompletionRequest) -> Completi
         if body.top_logprobs is not None and not body.logprobs:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
         sampling = sampling_params(body, bool(body.logprobs), body.top_logprobs or 0)
+        messages, remote = chat_messages(body.messages)
         return CompletionCall(
-            chat=True, model=body.model, messages=chat_messages(body.messages), prompt=None,
+            chat=True, model=body.model, messages=messages, remote_images=remote, prompt=None,
             max_tokens=body.max_completion_tokens or body.max_tokens, sampling=sampling,
             sampling_given=sampling_given(body),
             options=chat_options(body), stream=bool(body.stream), include_usage=include_usage,
             single_tool_call=body.parallel_tool_calls is False and bool(body.tools),
+            adapter=body.adapters,
         )  # fmt: skip
     prompt = body.prompt
     if isinstance(prompt, list):
@@ -400,5 +441,5 @@ def completion_call(body: ChatCompletionRequest | CompletionRequest) -> Completi
     return CompletionCall(
         chat=False, model=body.model, messages=None, prompt=prompt, max_tokens=body.max_tokens,
         sampling=sampling, sampling_given=sampling_given(body), stream=bool(body.stream),
-        include_usage=include_usage,
+        include_usage=include_usage, adapter=body.adapters,
     )  # fmt: skip

@@ -35,6 +35,13 @@ from supervisor.config import SupervisorConfig
 from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.dialect import CompletionCall
 from supervisor.fronts.http.errors import ApiError, validation_error
+from supervisor.fronts.http.images import (
+    ImageUrl,
+    RemoteImage,
+    attach_images,
+    check_images,
+    image_from_url,
+)
 from supervisor.fronts.http.openai_requests import (
     ROLES,
     Ignored,
@@ -126,6 +133,16 @@ class InputText(Strict, tag="input_text", tag_field="type", kw_only=True):
     text: str
 
 
+class InputImage(Strict, tag="input_image", tag_field="type", kw_only=True):
+    """An image in a user message: ``image_url`` a data URL or http(s) (see
+    :mod:`~supervisor.fronts.http.images`); a ``file_id`` is refused (no
+    file is stored here)."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
 class OutputText(Strict, tag="output_text", tag_field="type", kw_only=True):
     """Text of an earlier answer, as a response's output gives it back."""
 
@@ -137,7 +154,7 @@ class OutputText(Strict, tag="output_text", tag_field="type", kw_only=True):
 class MessageItem(Strict, kw_only=True):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText | OutputText]
+    content: str | list[InputText | OutputText | InputImage]
     id: str | None = None
     status: str | None = None
 
@@ -199,15 +216,43 @@ def converted(value: Any, kind: type[T], where: str) -> T:
 # --- the history ---------------------------------------------------------------------
 
 
-def only_text(parts: Any, where: str) -> None:
-    """Refuse, by their type, parts other than text (images, files, audio).
-    Raises ApiError."""
+def only_text(parts: Any, where: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse, by their type, parts other than text (files, audio; images
+    too, unless ``also`` names ``input_image``). Raises ApiError."""
     if not isinstance(parts, list):
         return
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise bad(f"{where}[{j}]", f"only text content is supported, not {kind}")
+        if kind not in TEXT_PARTS + also:
+            taken = "text and image" if also else "text"
+            raise bad(f"{where}[{j}]", f"only {taken} content is supported, not {kind}")
+
+
+def message_content(
+    content: str | list[InputText | OutputText | InputImage], role: str, where: str
+) -> tuple[str, list[bytes | ImageUrl], list[int]]:
+    """A message's text, and its images (a user message's) with the offset
+    in the text where each goes. Raises ApiError."""
+    if isinstance(content, str):
+        return content, [], []
+    text = ""
+    images: list[bytes | ImageUrl] = []
+    offsets: list[int] = []
+    for j, part in enumerate(content):
+        if not isinstance(part, InputImage):
+            text += part.text
+            continue
+        param = f"{where}[{j}]"
+        if role != "user":
+            raise bad(param, "only a user message holds images")
+        if part.file_id is not None:
+            raise bad(f"{param}.file_id", "file_id is not supported (no file is stored here): "
+                      "send the image as image_url, a data URL or http(s)")  # fmt: skip
+        if not part.image_url:
+            raise bad(f"{param}.image_url", "an input_image needs its image_url")
+        images.append(image_from_url(part.image_url, f"{param}.image_url"))
+        offsets.append(len(text))
+    return text, images, offsets
 
 
 def text_of(content: str | list[InputText] | list[InputText | OutputText]) -> str:
@@ -224,6 +269,7 @@ class History:
         self.messages = [] if instructions is None else [ChatMessage("system", instructions)]
         self.reasoning: str | None = None  # waiting for the assistant turn it belongs to
         self.call_names: dict[str, str] = {}
+        self.remote: list[RemoteImage] = []  # http(s) images to fetch into the messages
 
     def add(self, item: Any, where: str) -> None:
         """One input item. Raises ApiError."""
@@ -231,8 +277,8 @@ class History:
             raise bad(where, "an input item is an object")
         kind = item.get("type", "message")
         if kind == "message":
-            only_text(item.get("content"), f"{where}.content")
-            self.message(converted(item, MessageItem, where))
+            only_text(item.get("content"), f"{where}.content", also=("input_image",))
+            self.message(converted(item, MessageItem, where), where)
         elif kind == "function_call":
             self.function_call(converted(item, FunctionCallItem, where), where)
         elif kind == "function_call_output":
@@ -246,11 +292,15 @@ class History:
             raise bad(f"{where}.type", f"unsupported input item type {kind!r} (message, "
                       "function_call, function_call_output or reasoning)")  # fmt: skip
 
-    def message(self, item: MessageItem) -> None:
+    def message(self, item: MessageItem, where: str) -> None:
         role = ROLES[item.role]
+        text, images, offsets = message_content(item.content, role, f"{where}.content")
         if role != "assistant":
             self._flush_reasoning()
-        self.messages.append(ChatMessage(role, text_of(item.content), reasoning=self._reasoning()))
+        message = ChatMessage(role, text, reasoning=self._reasoning(),
+                              image_offsets=offsets or None)  # fmt: skip
+        self.remote += attach_images(message, images)
+        self.messages.append(message)
 
     def function_call(self, item: FunctionCallItem, where: str) -> None:
         try:
@@ -298,9 +348,9 @@ class History:
         return self.messages
 
 
-def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
+def chat_messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[RemoteImage]]:
     """The instructions (a leading system message) and the input, as the
-    runner's chat. Raises ApiError."""
+    runner's chat, and the http(s) images to fetch into it. Raises ApiError."""
     items: list[Any] = (
         body.input if isinstance(body.input, list) else [{"role": "user", "content": body.input}]
     )
@@ -309,7 +359,7 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
     history = History(body.instructions)
     for i, item in enumerate(items):
         history.add(item, f"input[{i}]")
-    return history.end()
+    return history.end(), history.remote
 
 
 # --- tools, format, reasoning ------------------------------------------------------------
@@ -460,8 +510,9 @@ def responses_call(body: ResponsesRequest) -> ResponsesCall:
         top_logprobs=body.top_logprobs or 0,
     )
     stream = bool(body.stream)
+    messages, remote = chat_messages(body)
     return ResponsesCall(
-        chat=True, model=body.model, messages=chat_messages(body), prompt=None,
+        chat=True, model=body.model, messages=messages, remote_images=remote, prompt=None,
         max_tokens=body.max_output_tokens, sampling=sampling, options=options, stream=stream,
         sampling_given=given(temperature=body.temperature, top_p=body.top_p),
         single_tool_call=body.parallel_tool_calls is False and bool(tools),
@@ -480,7 +531,9 @@ class ResponsesDialect:
         self._decoder = msgspec.json.Decoder(ResponsesRequest)
 
     async def parse(self, request: Request) -> ResponsesCall:
-        return responses_call(await read_json(request, self._decoder, self.config))
+        call = responses_call(await read_json(request, self._decoder, self.config))
+        check_images(call.messages, call.remote_images, self.config)
+        return call
 
     def answer(self, call: CompletionCall, model: str) -> ResponsesAnswer:
         return ResponsesAnswer(call, model)

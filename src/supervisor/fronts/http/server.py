@@ -6,7 +6,9 @@ registry: OpenAI's ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``stream``); Anthropic's ``POST /v1/messages``
 (:mod:`~supervisor.fronts.http.messages_api`); OpenAI's ``POST
 /v1/responses`` (:mod:`~supervisor.fronts.http.responses_api`); Ollama's
-``/api/*`` (:mod:`~supervisor.fronts.http.ollama_api`); ``GET /health`` and
+``/api/*`` (:mod:`~supervisor.fronts.http.ollama_api`); OpenAI's ``POST
+/v1/embeddings`` and Ollama's ``/api/embed``
+(:mod:`~supervisor.fronts.http.embeddings`); ``GET /health`` and
 ``GET /metrics``; the management API under ``/admin``
 (:mod:`~supervisor.fronts.http.admin`); the dashboard at ``GET /``
 (:mod:`~supervisor.fronts.http.dashboard`). Every generating route is one dialect of the one request
@@ -47,7 +49,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ipc.messages import StatusReply
 from supervisor.config import SupervisorConfig
-from supervisor.fronts.http import messages_api, ollama_api, responses_api
+from supervisor.fronts.http import embeddings, messages_api, ollama_api, responses_api
 from supervisor.fronts.http.admin import AdminRoutes, Reload, route_label
 from supervisor.fronts.http.completions import Completions
 from supervisor.fronts.http.dashboard import Dashboard
@@ -106,6 +108,7 @@ class HttpFront:
             *messages_api.routes(self.completions, info, key),
             *responses_api.routes(self.completions, info, key),
             *ollama_api.routes(self.completions, info, key),
+            *embeddings.routes(self.completions, key),
             *self.admin.routes(),
             *self.dashboard.routes(),  # GET /: the page
         ]
