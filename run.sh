@@ -60,7 +60,7 @@ case "$command" in
     exec .venv/bin/mypy
     ;;
   bench)
-    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity|blas|dashboard] [script args...]
+    # bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity|blas|dashboard|vision|embeddings|speculative] [script args...]
     ensure_venv
     which=${1:-all}
     shift || true
@@ -72,7 +72,7 @@ case "$command" in
       exit 0
     fi
     if [ ! -f "bench/bench_$which.py" ]; then
-      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity|blas|dashboard] [args...]" >&2
+      echo "usage: bash run.sh bench [all|daemon|recovery|hardening|memory|engine|http|fronts|prefill|constrained|tool_parsers|kv_quant|distributed|real|disk_cache|disk_integrity|blas|dashboard|vision|embeddings|speculative] [args...]" >&2
       exit 2
     fi
     exec .venv/bin/python "bench/bench_$which.py" "$@"

@@ -9,9 +9,11 @@ alternating order), so neither prefix cache holds it.
 
 Where Metal is missing (Linux), the runner replaces muse_spark's Metal kernels with plain
 mlx ops (``runner.muse_spark_cpu``); mlx_lm.server gets the same through a
-``sitecustomize`` on its path, so both compute alike.
+``sitecustomize`` on its path, so both compute alike; and on a Linux CPU mlx_lm.server gets
+the BLAS our runner maps (OpenBLAS with the default ``cpu_blas``) preloaded, as
+bench_real.py's ``--theirs-blas same`` does. Results go to ``bench/results/vision.json``.
 
-    python bench/bench_vision.py [--quick] [--rounds N] [--size PIXELS]
+    python bench/bench_vision.py [--quick] [--rounds N] [--size PIXELS] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +32,18 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from common import Daemon, mlx_lm_server, note, run_alternating
+from bench_http import runner_pid, server_pid
+from common import (
+    RESULTS_DIR,
+    Daemon,
+    machine_info,
+    mapped_blas,
+    mlx_device,
+    mlx_lm_server,
+    note,
+    run_alternating,
+    write_json,
+)
 from runner.builtin import ensure_builtin_model
 
 MODEL = "builtin:tiny-vision"
@@ -70,6 +83,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--size", type=int, default=256, help="image side in pixels")
     parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "vision.json")
     args = parser.parse_args()
     rounds, size = (5, 128) if args.quick else (args.rounds, args.size)
     model_dir = ensure_builtin_model(MODEL)
@@ -87,9 +101,13 @@ def main() -> int:
         (site / "sitecustomize.py").write_text(
             "import runner.muse_spark_cpu as m\nm.install()\n", encoding="utf-8")
         env = {"PYTHONPATH": f"{site}:{SRC}"}
+        ours_blas = mapped_blas(runner_pid(daemon.client, "eyes"))
+        if ours_blas is not None and "openblas" in ours_blas:
+            env["LD_PRELOAD"] = ours_blas
         client = stack.enter_context(httpx.Client(timeout=300))
         with mlx_lm_server(model_dir, tmp / "mlx_lm_server.log", env) as port:
             theirs = f"http://127.0.0.1:{port}"
+            blas = {"ours": ours_blas, "theirs": mapped_blas(server_pid(port))}
             note(f"warming up: ours {ours}, mlx_lm.server {theirs}")
             for side, name in ((ours, "eyes"), (theirs, "default_model")):
                 first_token_s(client, side, name, image_url(10_000, size), args.tokens)
@@ -110,6 +128,14 @@ def main() -> int:
         print(f"  ours           {o * 1000:8.1f} ms")
         print(f"  mlx_lm.server  {t * 1000:8.1f} ms")
         print(f"  ours / mlx_lm.server = {o / t:.2f}")
+        print(f"  BLAS: ours {blas['ours']}, mlx_lm.server {blas['theirs']}")
+        machine = machine_info(mlx_device())
+        machine["blas"] = blas
+        write_json({"machine": machine, "model": MODEL, "image_side": size,
+                    "image_tokens": image_tokens, "rounds": rounds, "tokens": args.tokens,
+                    "ours_first_token_s": ours_s, "theirs_first_token_s": theirs_s,
+                    "ours_median_s": o, "theirs_median_s": t, "ours_over_theirs": o / t},
+                   args.out)  # fmt: skip
     return 0
 
 
