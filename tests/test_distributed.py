@@ -103,6 +103,7 @@ def remote_pair(tmp_path: Path, ssh_script: str) -> tuple[Path, str]:
     return hostfile, f"ssh_command = [{str(ssh)!r}]\ndistributed_port_base = {base}\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-qwen3"])
 def test_two_ranks_answer_as_one_process_does(
     start_daemon: DaemonFactory, tmp_path: Path, model: str
@@ -153,6 +154,7 @@ def test_two_ranks_answer_as_one_process_does(
     assert ring_dirs(tmp) == []
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
@@ -188,6 +190,7 @@ def test_a_rank_killed_mid_stream_takes_the_group_down_and_it_comes_back(
     assert wait_exited(pids, timeout_s=5) == []
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_killed_by_the_watchdog_and_the_group_restarted(
     start_daemon: DaemonFactory,
 ) -> None:
@@ -266,6 +269,7 @@ def test_free_ports_are_distinct_and_bindable() -> None:
             sock.close()
 
 
+@pytest.mark.slow
 def test_a_rank_on_another_host_runs_through_ssh_and_answers_as_one_process_does(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:

@@ -272,6 +272,7 @@ def test_a_client_that_stops_reading_does_not_block_its_model(
 # --- 6. a restore that fails -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_failed_restore_stays_failed_and_desired_until_a_load_retries_it(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:

@@ -231,6 +231,7 @@ def test_keep_alive_unloads_an_idle_model_but_not_a_pinned_one(
     assert status.counters.get("expired") == 1
 
 
+@pytest.mark.slow
 def test_keep_alive_counts_from_the_end_of_the_last_request(start_daemon: DaemonFactory) -> None:
     # Each request (a slow prefill) lasts longer than the keep-alive: counted
     # from the load or from a request's start, the model would expire between

@@ -364,6 +364,7 @@ def test_leftover_runner_of_a_dead_predecessor_is_killed_but_a_reused_pid_is_not
             proc.wait()
 
 
+@pytest.mark.slow
 def test_models_come_back_after_the_daemon_is_killed(
     tmp_path: Path, start_daemon: DaemonFactory
 ) -> None:

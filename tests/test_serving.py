@@ -192,6 +192,7 @@ def test_a_client_that_vanishes_mid_batch_cancels_only_its_request(
     assert sorted(e["finish_reason"] for e in events) == ["cancelled", "length", "length"]
 
 
+@pytest.mark.slow
 def test_an_on_demand_load_that_failed_with_no_one_left_waiting_is_tried_again(
     start_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
