@@ -126,8 +126,10 @@ def test_cancel_mid_stream_ends_request_as_cancelled(client: Client) -> None:
     assert gen.done is not None
     assert gen.done.finish_reason == "cancelled"
     # The runner is ahead of what the client saw by up to one text frame
-    # (stream_interval_ms of tokens), then stops within a few tokens.
-    held = gen.done.generation_tps * SupervisorConfig().stream_interval_ms / 1000
+    # (stream_interval_ms of tokens), then stops within a few tokens: those of
+    # the ~0.1 s the cancel takes to reach it on a loaded 2-core machine (a
+    # tiny model makes ~750 a second; CI once saw 48 past the 39 a frame allows).
+    held = gen.done.generation_tps * (SupervisorConfig().stream_interval_ms / 1000 + 0.1)
     assert gen.done.generation_tokens - seen <= 20 + held, "cancel took more than a few tokens"
     assert len(rest) <= 20
     # The runner is ready again at once.
