@@ -92,6 +92,25 @@ def no_leftover_processes() -> Iterator[None]:
     assert not alive, f"processes left behind: {alive}"
 
 
+@contextlib.contextmanager
+def module_daemon(root: Path, builtin_cache: Path, config: str) -> Iterator[DaemonProcess]:
+    """A daemon a test module shares (HTTP on a free port, the session's builtin cache, its
+    own XDG dirs under ``root``, mlx's bundled BLAS as this process computes with), stopped
+    at the end with every runner it started reaped."""
+    env = {"XDG_CACHE_HOME": str(builtin_cache), KV_CACHE_DIR_ENV: str(root / "kv"),
+           CPU_BLAS_ENV: BUNDLED, HTTP_ENV: "127.0.0.1:0"}  # fmt: skip
+    for var in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+        (root / var).mkdir()
+        env[var] = str(root / var)
+    daemon = DaemonProcess(root / "d.sock", write_config(root / "d.toml", config), env=env).start()
+    try:
+        yield daemon
+    finally:
+        runners = psutil.Process(daemon.pid).children(recursive=True)
+        assert daemon.terminate(timeout_s=30) == 0
+        psutil.wait_procs(runners, timeout=5)
+
+
 def faults(spec: str) -> dict[str, str]:
     """A load's ``env`` that makes its runner misbehave as ``spec`` says (runner.faults)."""
     return {FAULTS_ENV: spec}

@@ -15,11 +15,10 @@ import mlx.core as mx
 import mlx_lm
 import msgspec
 import openai
-import psutil
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import DaemonFactory, write_config
+from conftest import DaemonFactory, module_daemon
 from ipc.messages import (
     ChatMessage,
     EngineSettings,
@@ -39,9 +38,7 @@ from runner.loading import load_model
 from supervisor.adapters import adapter_for, adapters_problem
 from supervisor.cli.render import status_table
 from supervisor.client import Client, ClientError
-from supervisor.config import HTTP_ENV, KV_CACHE_DIR_ENV, ModelConfig, spec_problem
-from supervisor.daemon.process import DaemonProcess
-from supervisor.runners.blas import BUNDLED, CPU_BLAS_ENV
+from supervisor.config import ModelConfig, spec_problem
 
 A, B = "builtin:tiny-adapter", "builtin:tiny-adapter-b"
 QUESTION = "Tell me about the river and the mountains."
@@ -66,24 +63,13 @@ def served(
     """One daemon for the module, its two models loaded (so no test sees their runners
     start): its client and its HTTP base URL."""
     root = tmp_path_factory.mktemp("adapters")
-    env = {"XDG_CACHE_HOME": str(builtin_cache), KV_CACHE_DIR_ENV: str(root / "kv"),
-           CPU_BLAS_ENV: BUNDLED, HTTP_ENV: "127.0.0.1:0"}  # fmt: skip
-    for var in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-        (root / var).mkdir()
-        env[var] = str(root / var)
-    config = write_config(root / "config.toml", CONFIG)
-    daemon = DaemonProcess(root / "d.sock", config, env=env).start()
-    try:
+    with module_daemon(root, builtin_cache, CONFIG) as daemon:
         client = Client(daemon.socket_path)
         client.load("builtin:tiny", name="lora")
         client.load("builtin:tiny", name="plain")
         url = client.status().supervisor.http
         assert url is not None
         yield client, url
-    finally:
-        runners = psutil.Process(daemon.pid).children(recursive=True)
-        assert daemon.terminate(timeout_s=30) == 0
-        psutil.wait_procs(runners, timeout=5)
 
 
 def api(url: str) -> openai.OpenAI:

@@ -28,13 +28,10 @@ import ollama
 import openai
 import pytest
 
-from conftest import faults, write_config
+from conftest import faults, module_daemon
 from runner.builtin import ensure_builtin_model
 from runner.embeddings import EmbeddingConfigError, read_embedding_config
 from supervisor.client import Client, ClientError
-from supervisor.config import HTTP_ENV, KV_CACHE_DIR_ENV
-from supervisor.daemon.process import DaemonProcess
-from supervisor.runners.blas import BUNDLED, CPU_BLAS_ENV
 
 TOLERANCE = 1e-5
 FRAME_BYTES = 131072
@@ -74,14 +71,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, builtin_cache: Path) -> Ite
     model_config = json.loads((mean_dir / "config.json").read_text())
     del model_config["is_matryoshka"]  # its vectors may not be cut
     (mean_dir / "config.json").write_text(json.dumps(model_config))
-    env = {HTTP_ENV: "127.0.0.1:0", "XDG_CACHE_HOME": str(builtin_cache),
-           KV_CACHE_DIR_ENV: str(root / "kv"), CPU_BLAS_ENV: BUNDLED}  # fmt: skip
-    for var in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-        env[var] = str(root / var.lower())
-        (root / var.lower()).mkdir()
-    config = write_config(root / "d.toml", f"hot_spare = false\nmax_frame_bytes = {FRAME_BYTES}\n")
-    daemon = DaemonProcess(root / "d.sock", config, env=env).start()
-    try:
+    config = f"hot_spare = false\nmax_frame_bytes = {FRAME_BYTES}\n"
+    with module_daemon(root, builtin_cache, config) as daemon:
         client = Client(daemon.socket_path)
         client.load("builtin:tiny-embed", "embed")
         client.load(str(mean_dir), "mean")
@@ -92,8 +83,6 @@ def served(tmp_path_factory: pytest.TempPathFactory, builtin_cache: Path) -> Ite
             url, client, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
             ollama.Client(host=url, timeout=60), embed_dir, mean_dir,
         )  # fmt: skip
-    finally:
-        assert daemon.terminate(timeout_s=30) == 0
 
 
 class InProcess:

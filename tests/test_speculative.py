@@ -17,25 +17,20 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import openai
-import psutil
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import USER_BUILTIN_CACHE, write_config
+from conftest import USER_BUILTIN_CACHE, module_daemon
 from ipc.messages import LoadRequest
 from runner.builtin import ensure_builtin_model
 from supervisor.client import Client, ClientError
 from supervisor.config import (
-    HTTP_ENV,
-    KV_CACHE_DIR_ENV,
     ModelConfig,
     SupervisorConfig,
     spec_problem,
 )
-from supervisor.daemon.process import DaemonProcess
 from supervisor.memory.estimate import estimate_reference, with_draft
 from supervisor.registry.specs import merge_spec
-from supervisor.runners.blas import BUNDLED, CPU_BLAS_ENV
 
 DRAFT = "builtin:small-draft"
 TOKENS = 12
@@ -61,23 +56,12 @@ def served(
     """One daemon for the module with model "spec" loaded: its client, its HTTP base URL
     and its socket path."""
     root = tmp_path_factory.mktemp("speculative")
-    env = {"XDG_CACHE_HOME": str(builtin_cache), KV_CACHE_DIR_ENV: str(root / "kv"),
-           CPU_BLAS_ENV: BUNDLED, HTTP_ENV: "127.0.0.1:0"}  # fmt: skip
-    for var in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-        (root / var).mkdir()
-        env[var] = str(root / var)
-    config = write_config(root / "config.toml", CONFIG)
-    daemon = DaemonProcess(root / "d.sock", config, env=env).start()
-    try:
+    with module_daemon(root, builtin_cache, CONFIG) as daemon:
         client = Client(daemon.socket_path)
         client.load("builtin:tiny", name="spec")
         url = client.status().supervisor.http
         assert url is not None
         yield client, url, daemon.socket_path
-    finally:
-        runners = psutil.Process(daemon.pid).children(recursive=True)
-        assert daemon.terminate(timeout_s=30) == 0
-        psutil.wait_procs(runners, timeout=5)
 
 
 def api(url: str) -> openai.OpenAI:
